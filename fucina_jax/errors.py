@@ -35,3 +35,15 @@ class TokenizerError(FucinaError):
 
 class ContextFullError(FucinaError):
     """The prompt (plus generation) does not fit in the context window."""
+
+
+class DraftIndexError(FucinaError, ValueError):
+    """A draft index (fucina_jax.index) got bad input: a token id out of range, too many references, ..."""
+
+
+class IndexFrozenError(DraftIndexError):
+    """Tokens were appended to a frozen suffix automaton (frozen indexes serve external cursors only)."""
+
+
+class IndexPoisonedError(FucinaError):
+    """An append failed (out of memory, token cap reached); the index is poisoned and drafts nothing from now on."""
