@@ -37,6 +37,10 @@ class ContextFullError(FucinaError):
     """The prompt (plus generation) does not fit in the context window."""
 
 
+class SamplerConfigError(FucinaError, ValueError):
+    """A sampling parameter is out of range (e.g. top_p outside [0, 1], negative top_k)."""
+
+
 class DraftIndexError(FucinaError, ValueError):
     """A draft index (fucina_jax.index) got bad input: a token id out of range, too many references, ..."""
 

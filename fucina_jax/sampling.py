@@ -1,0 +1,445 @@
+"""The sampler pipeline: llama.cpp's default chain for penalties, top-k, top-p, min-p and temperature, in JAX.
+
+Order and semantics are those of llama.cpp's sampler chain (common/sampling.cpp, src/llama-sampler.cpp):
+
+  penalties -> top_k -> top_p -> min_p -> temperature -> dist
+
+  penalties    over the last `repeat_last_n` committed tokens: a token seen c > 0 times gets its logit divided by
+               `repeat_penalty` if positive, multiplied if <= 0, then minus c * frequency + presence.
+  top_k        keep the k largest logits (k <= 0: off; k > V: V).
+  top_p        softmax over the survivors, keep the shortest descending prefix whose cumulative probability
+               reaches top_p (top_p >= 1: off), never fewer than min_keep.
+  min_p        keep logits >= max_logit + log(min_p), i.e. p >= min_p * p_max (min_p <= 0: off), >= min_keep.
+  temperature  divide logits by it; temperature <= 0 keeps only the argmax (greedy, through the same chain).
+  dist         draw one token from the softmax of the survivors.
+
+The filters only ever remove the tail of the descending order, so the survivors are a prefix of the row sorted by
+logit. The pipeline therefore sorts once (top `cap` candidates, `cap` a static bucket >= top_k, or the whole vocab
+when top_k is off) and expresses top-k, top-p and min-p as prefix lengths. Ties are ordered lower token id first;
+llama.cpp leaves the order of equal logits to std::partial_sort (unspecified), which only matters where a cut falls
+inside a run of equal logits (top-k, top-p) and for which of several equal maxima greedy picks.
+
+Randomness is counter-based: the uniform that picks the token committed at absolute position p is
+uniform(fold_in(key(seed), p)), one draw per committed token, mapped through the inverse CDF of the survivors in
+descending order (as llama.cpp's dist does with its mt19937 draw). A verify row committed at position base + i uses
+that position, so a speculative run draws exactly what the plain run draws (design record §2, obligation 1). The
+stream differs from llama.cpp's mt19937 for the same seed; only greedy output is comparable token for token.
+
+Penalty history is a fixed-capacity window (`History`), so a growing history never changes a traced shape. For a
+verify over R rows, row i is penalised with history + drafts[:i]: accepted drafts enter the history before the next
+row is sampled (design record §2, obligation 3), all rows in one batched computation.
+
+Everything a call varies (temperature, top-p, seed, history contents, positions) enters jit as arrays
+(`SamplerParams`, `History`); only the candidate bucket `cap` is static.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import secrets
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fucina_jax.errors import SamplerConfigError
+
+__all__ = [
+    "SamplerConfig",
+    "SamplerParams",
+    "History",
+    "TRACE_COUNTS",
+    "TOP_K_OFF_CAP",
+    "history_from_tokens",
+    "push_history",
+    "row_windows",
+    "penalize",
+    "filter_mask",
+    "position_uniform",
+    "sample_rows",
+    "sample_row",
+    "token_probs",
+]
+
+# Incremented at trace time only: tests assert that new values / history / positions never recompile.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+# Candidates sorted when top-k is off. top_p 0.95 / min_p 0.05 leave far fewer on real LM rows; a row with more
+# survivors (e.g. top-k, top-p and min-p all off) costs a full sort: ~60 ms for a 262k vocab on one CPU core,
+# against ~1 ms for the top 1024.
+TOP_K_OFF_CAP = 1024
+
+# Penalty windows up to this many slots count repeats pairwise ([R, H, H]); longer ones use a vocab histogram.
+_PAIRWISE_MAX_WINDOW = 256
+
+# llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF) means "pick a random seed"; we spell that None.
+_MAX_SEED = 2**32 - 1
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Sampling parameters with llama.cpp's defaults (common/common.h, common_params_sampling).
+
+    top_k 0 = off; top_p 1.0 = off; min_p 0.0 = off; repeat_penalty 1.0 / frequency 0.0 / presence 0.0 = off;
+    repeat_last_n 0 = penalties off, -1 = the whole context; temperature <= 0 = greedy argmax.
+    min_keep: top-p and min-p never keep fewer tokens (llama.cpp's --min-keep, default 0).
+    seed None = a fresh random seed, fixed by validate().
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    min_keep: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> SamplerConfig:
+        """Check every value; return the config with a concrete seed (a random one when seed is None)."""
+
+        def bad(name: str, value, why: str) -> SamplerConfigError:
+            return SamplerConfigError(f"{name} = {value!r} is invalid: {why}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        def is_real(v) -> bool:
+            return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not is_real(v) or not math.isfinite(v):
+                raise bad(name, v, "it must be a finite number")
+        for name in ("top_k", "repeat_last_n", "min_keep"):
+            if not is_int(getattr(self, name)):
+                raise bad(name, getattr(self, name), "it must be an integer")
+        if self.top_k < 0:
+            raise bad("top_k", self.top_k, "it must be >= 0 (0 disables top-k)")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "it must be in [0, 1] (1 disables top-p)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "it must be in [0, 1] (0 disables min-p)")
+        # llama.cpp rejects these too (common_sampler_init): 1/penalty must stay finite.
+        if self.repeat_penalty <= 0.0 or not math.isfinite(1.0 / self.repeat_penalty):
+            raise bad("repeat_penalty", self.repeat_penalty, "it must be > 0 (1 disables it)")
+        if self.repeat_last_n < -1:
+            raise bad("repeat_last_n", self.repeat_last_n, "it must be >= -1 (0 disables penalties, -1 = context)")
+        if self.min_keep < 0:
+            raise bad("min_keep", self.min_keep, "it must be >= 0")
+        if self.seed is None:
+            return dataclasses.replace(self, seed=secrets.randbelow(_MAX_SEED + 1))
+        if not is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED:
+            raise bad("seed", self.seed, f"it must be an integer in [0, {_MAX_SEED}] (or None for a random seed)")
+        return self
+
+    def params(self) -> SamplerParams:
+        """The per-call values as 0-d arrays (validates first; call validate() once yourself if seed is None,
+        or every call draws a new random seed)."""
+        c = self.validate()
+        f32, i32 = jnp.float32, jnp.int32
+        return SamplerParams(
+            temperature=jnp.asarray(c.temperature, f32),
+            top_k=jnp.asarray(c.top_k, i32),
+            top_p=jnp.asarray(c.top_p, f32),
+            min_p=jnp.asarray(c.min_p, f32),
+            min_keep=jnp.asarray(c.min_keep, i32),
+            repeat_penalty=jnp.asarray(c.repeat_penalty, f32),
+            repeat_last_n=jnp.asarray(c.repeat_last_n, i32),
+            frequency_penalty=jnp.asarray(c.frequency_penalty, f32),
+            presence_penalty=jnp.asarray(c.presence_penalty, f32),
+            seed=jnp.asarray(c.seed, jnp.uint32),
+        )
+
+    def candidate_cap(self, n_vocab: int) -> int:
+        """Static number of sorted candidates: top_k rounded up to a power of two (so nearby top_k values share a
+        compiled program), or TOP_K_OFF_CAP when top-k is off (rows whose survivors do not fit fall back to a
+        full sort of the vocab). Any cap gives the same tokens; it only sets the cost."""
+        if self.top_k <= 0:
+            return min(int(n_vocab), TOP_K_OFF_CAP)
+        return min(int(n_vocab), _pow2_at_least(self.top_k))
+
+    def history_capacity(self, n_ctx: int) -> int:
+        """Static window size that holds the last repeat_last_n tokens (the whole context for -1)."""
+        if self.repeat_last_n < 0:
+            return int(n_ctx)
+        return _pow2_at_least(max(1, self.repeat_last_n))
+
+
+class SamplerParams(NamedTuple):
+    """SamplerConfig's values as 0-d arrays: a pytree, so new values never recompile."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    min_keep: jax.Array
+    repeat_penalty: jax.Array
+    repeat_last_n: jax.Array
+    frequency_penalty: jax.Array
+    presence_penalty: jax.Array
+    seed: jax.Array
+
+
+class History(NamedTuple):
+    """The most recent committed tokens, oldest first: tokens[:count] valid, the rest -1.
+
+    tokens int32 [W] (W fixed: a window, not the whole stream, once more than W tokens were committed), count int32 [].
+    """
+
+    tokens: jax.Array
+    count: jax.Array
+
+
+def history_from_tokens(tokens: Sequence[int], capacity: int) -> History:
+    """Host-side: the window of the last `capacity` tokens of a committed stream (prompt included, as llama.cpp's
+    CLI accepts prompt tokens into the penalty history)."""
+    if capacity < 1:
+        raise SamplerConfigError(f"history capacity = {capacity} is invalid: it must be >= 1")
+    tail = np.asarray(list(tokens)[-capacity:] if len(tokens) else [], dtype=np.int32)
+    buf = np.full((capacity,), -1, dtype=np.int32)
+    buf[: tail.size] = tail
+    return History(jnp.asarray(buf), jnp.asarray(tail.size, jnp.int32))
+
+
+@jax.jit
+def push_history(history: History, new: jax.Array, n_new: jax.Array) -> History:
+    """Append new[:n_new] (int32 [N]) to the window, dropping the oldest tokens past its capacity. Jittable, so the
+    decode loop can keep the history on device."""
+    W, N = history.tokens.shape[0], new.shape[0]
+    n_new = jnp.clip(n_new, 0, N)
+    total = history.count + n_new
+    start = jnp.maximum(total - W, 0)
+    c = start + jnp.arange(W, dtype=jnp.int32)  # chronological index of each output slot
+    old = history.tokens[jnp.clip(c, 0, W - 1)]
+    fresh = new.astype(jnp.int32)[jnp.clip(c - history.count, 0, N - 1)]
+    tok = jnp.where(c < history.count, old, fresh)
+    return History(jnp.where(c < total, tok, -1), jnp.minimum(total, W).astype(jnp.int32))
+
+
+def row_windows(history: History, drafts: jax.Array | None, repeat_last_n: jax.Array, n_rows: int):
+    """Per-row penalty windows for a verify: row i sees history + drafts[:i], cut to its last repeat_last_n tokens.
+
+    Returns tokens int32 [R, W + D] and a bool mask [R, W + D] (D = len(drafts), 0 without drafts). Chronological
+    index: base slot j is j, draft d is count + d; row i's stream has length count + i.
+    """
+    W = history.tokens.shape[0]
+    R = n_rows
+    rows = jnp.arange(R, dtype=jnp.int32)[:, None]
+    if drafts is None:
+        drafts = jnp.zeros((0,), jnp.int32)
+    D = drafts.shape[0]
+    tokens = jnp.concatenate(
+        [jnp.broadcast_to(history.tokens, (R, W)), jnp.broadcast_to(drafts.astype(jnp.int32), (R, D))], axis=1
+    )
+    d = jnp.arange(D, dtype=jnp.int32)[None, :]
+    chron = jnp.concatenate([jnp.arange(W, dtype=jnp.int32), history.count + jnp.arange(D, dtype=jnp.int32)])
+    valid = jnp.concatenate(
+        [jnp.broadcast_to(jnp.arange(W)[None, :] < history.count, (R, W)), jnp.broadcast_to(d < rows, (R, D))], axis=1
+    )
+    # -1 = the whole context: everything the window holds.
+    last_n = jnp.where(repeat_last_n < 0, W + D, repeat_last_n)
+    in_window = chron[None, :] >= history.count + rows - last_n
+    return tokens, valid & in_window
+
+
+def penalize(logits: jax.Array, tokens: jax.Array, mask: jax.Array, params: SamplerParams) -> jax.Array:
+    """llama.cpp's penalties sampler on logits [R, V] given each row's window (tokens/mask [R, H]).
+
+    A token seen c > 0 times: logit / repeat if logit > 0 else logit * repeat, then - (c * frequency + presence).
+    Neutral values (1, 0, 0) leave every logit bitwise unchanged, so no branch is needed to switch it off.
+    """
+    R, V = logits.shape
+    H = tokens.shape[-1]
+    ok = mask & (tokens >= 0) & (tokens < V)
+    rows = jnp.arange(R)[:, None]
+    idx = jnp.where(ok, tokens, V)  # V = out of range, dropped by the scatters
+
+    if H <= _PAIRWISE_MAX_WINDOW:
+        # Touch only the window's tokens: counts by pairwise comparison [R, H, H], then write the penalised
+        # logits back. Equal tokens write equal values, so duplicate scatter indices are harmless.
+        same = (idx[:, :, None] == idx[:, None, :]) & ok[:, None, :]
+        counts = jnp.sum(same, axis=-1)
+        l = jnp.take_along_axis(logits, jnp.clip(idx, 0, V - 1), axis=-1)
+    else:
+        # Long windows (repeat_last_n = -1 over a long context): one histogram over the vocab per row.
+        hist = jnp.zeros((R, V), jnp.int32).at[rows, idx].add(1, mode="drop")
+        counts = jnp.take_along_axis(hist, jnp.clip(idx, 0, V - 1), axis=-1)
+        l = jnp.take_along_axis(logits, jnp.clip(idx, 0, V - 1), axis=-1)
+
+    rp = params.repeat_penalty
+    l = jnp.where(l <= 0, l * rp, l / rp)
+    l = l - (counts.astype(jnp.float32) * params.frequency_penalty
+             + (counts > 0).astype(jnp.float32) * params.presence_penalty)
+    return logits.at[rows, idx].set(l, mode="drop")
+
+
+def _cumsum_split(x: jax.Array, split: int) -> jax.Array:
+    """cumsum along the last axis whose first `split` entries are computed exactly as for an array of width `split`:
+    the fast (top-`split`) and the full-sort paths then agree bitwise on every row the fast path can decide."""
+    if x.shape[-1] <= split:
+        return jnp.cumsum(x, axis=-1)
+    head = jnp.cumsum(x[:, :split], axis=-1)
+    return jnp.concatenate([head, jnp.cumsum(x[:, split:], axis=-1) + head[:, -1:]], axis=-1)
+
+
+def _survivors(logits, vals, params: SamplerParams, split: int):
+    """Top-k, top-p and min-p as a prefix length of the descending order.
+
+    vals [R, C] are the C largest of logits [R, V], descending. Returns n_keep [R] (survivors = the first n_keep)
+    and exact [R]: whether C entries were enough to decide (else the caller redoes the row with C = V).
+    """
+    V = logits.shape[-1]
+    C = vals.shape[-1]
+    j = jnp.arange(C, dtype=jnp.int32)[None, :]
+
+    # top-k: the current list is the first n0 entries of the descending order.
+    k = params.top_k
+    whole_row = (k <= 0) | (k >= V)
+    n0 = jnp.broadcast_to(jnp.where(whole_row, V, k), vals.shape[:1])
+    live0 = j < n0[:, None]
+
+    # top-p: softmax over the current list (renormalised after top-k, as llama.cpp's softmax_impl), then the
+    # shortest prefix whose cumulative probability reaches top_p, never shorter than min_keep.
+    mx = vals[:, :1]
+    e = jnp.where(live0, jnp.exp(vals - mx), 0.0)
+    cum_e = _cumsum_split(e, split)
+    prefix_total = jnp.take_along_axis(cum_e, jnp.clip(n0 - 1, 0, C - 1)[:, None], axis=-1)[:, 0]
+    # With top-k off the normaliser is the whole row's: one pass over the vocab, skipped when not needed.
+    total = jax.lax.cond(whole_row & (params.top_p < 1.0) & (C < V),
+                         lambda: jnp.sum(jnp.exp(logits - mx), axis=-1), lambda: prefix_total)
+    cum = _cumsum_split(e / total[:, None], split)
+    reach = (cum >= params.top_p) & (j + 1 >= params.min_keep) & live0
+    n1 = jnp.where(jnp.any(reach, axis=-1), jnp.argmax(reach, axis=-1) + 1, n0)
+    n1 = jnp.where(params.top_p >= 1.0, n0, n1)
+
+    # min-p compares logits: p_i >= min_p * p_max <=> l_i >= l_max + log(min_p). The passing tokens are a prefix of
+    # the descending order; if all C pass, the count is only known to be >= C (V stands for "more than C").
+    thr = mx[:, 0] + jnp.log(jnp.maximum(params.min_p, jnp.float32(1e-38)))
+    n_pass = jnp.sum(vals >= thr[:, None], axis=-1)
+    n_pass = jnp.where((n_pass >= C) & (C < V), V, n_pass)
+    n2 = jnp.minimum(n1, jnp.maximum(jnp.maximum(n_pass, params.min_keep), 1))
+    n = jnp.where(params.min_p > 0.0, n2, n1).astype(jnp.int32)
+
+    # Decided by C entries when the survivors fit and top-p's normaliser was known (prefix inside C, or whole row).
+    # If top-p's cut was not reached inside C, n1 is an upper bound, and n <= C means min-p cut first.
+    exact = (n <= C) & ((n0 <= C) | (n0 >= V))
+    return n, exact
+
+
+def _select(logits, params: SamplerParams, cap: int, finish):
+    """Sort the top `cap` candidates, find the survivors and hand (vals, ids, n_keep) to `finish`, whose result
+    must not depend on the candidate width. Rows the top `cap` cannot decide (top-k off and more than `cap`
+    survivors) are redone with a full sort: exact always, fast when filters leave <= cap tokens."""
+    V = logits.shape[-1]
+    split = min(cap, V)
+
+    def run(c):
+        # The barrier keeps XLA from rewriting TopK + slice into a full sort (60x slower on the CPU).
+        vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, c))
+        n, exact = _survivors(logits, vals, params, split)
+        return vals, ids, n, exact
+
+    if split >= V:
+        vals, ids, n, _ = run(V)
+        return finish(vals, ids, n, split)
+    vals, ids, n, exact = run(split)
+
+    def full():
+        v, i, m, _ = run(V)
+        return finish(v, i, m, split)
+
+    return jax.lax.cond(jnp.all(exact), lambda: finish(vals, ids, n, split), full)
+
+
+@partial(jax.jit, static_argnames=("cap",))
+def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
+    """The survivors of penalties -> top-k -> top-p -> min-p for each row of logits [R, V], bool [R, V]."""
+    def finish(vals, ids, n, split):
+        live = jnp.arange(vals.shape[-1])[None, :] < n[:, None]
+        return jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], ids].set(live)
+
+    return _select(_penalised(logits, history, drafts, params), params, cap, finish)
+
+
+def position_uniform(seed: jax.Array, positions: jax.Array) -> jax.Array:
+    """The uniform in [0, 1) that picks the token committed at each absolute position: a pure function of
+    (seed, position), float32 [R]."""
+    key = jax.random.key(jnp.asarray(seed, jnp.uint32), impl="threefry2x32")
+    draw = lambda p: jax.random.uniform(jax.random.fold_in(key, p), (), jnp.float32)
+    return jax.vmap(draw)(jnp.asarray(positions, jnp.int32))
+
+
+def _weights(vals, n, temperature):
+    """Unnormalised probabilities of the survivors after temperature (llama.cpp: l / T, then exp(l - l_max));
+    greedy (T <= 0) keeps only the first entry, the lowest id among equal maxima."""
+    j = jnp.arange(vals.shape[-1], dtype=jnp.int32)[None, :]
+    t = jnp.where(temperature > 0.0, temperature, 1.0)
+    scaled = vals / t
+    e = jnp.where(j < n[:, None], jnp.exp(scaled - scaled[:, :1]), 0.0)
+    return jnp.where(temperature > 0.0, e, (j == 0).astype(jnp.float32))
+
+
+def _penalised(logits, history, drafts, params):
+    logits = logits.astype(jnp.float32)
+    tokens, mask = row_windows(history, drafts, params.repeat_last_n, logits.shape[0])
+    return penalize(logits, tokens, mask, params)
+
+
+@partial(jax.jit, static_argnames=("cap",))
+def sample_rows(
+    logits: jax.Array,
+    positions: jax.Array,
+    history: History,
+    drafts: jax.Array | None,
+    params: SamplerParams,
+    *,
+    cap: int,
+) -> jax.Array:
+    """Sample one token per row of logits [R, V]; row i is committed at positions[i] and penalised with
+    history + drafts[:i] (drafts int32 [R]: drafts[i] is the proposal row i is checked against, so the last entry
+    is never read; None = every row sees only `history`). `cap` = SamplerConfig.candidate_cap. Returns int32 [R]."""
+    TRACE_COUNTS["sample_rows", logits.shape, history.tokens.shape, None if drafts is None else drafts.shape, cap] += 1
+    u = position_uniform(params.seed, positions)
+
+    def finish(vals, ids, n, split):
+        # Inverse CDF in descending order, as llama.cpp's dist walks its (sorted) list: first entry whose
+        # cumulative weight reaches u * total.
+        cdf = _cumsum_split(_weights(vals, n, params.temperature), split)
+        target = u * cdf[:, -1]
+        pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
+        return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+
+    return _select(_penalised(logits, history, drafts, params), params, cap, finish)
+
+
+def sample_row(logits: jax.Array, position, history: History, params: SamplerParams, *, cap: int) -> jax.Array:
+    """One row: the token committed at `position` given logits [V] and the committed history. Returns int32 []."""
+    pos = jnp.asarray(position, jnp.int32).reshape(1)
+    return sample_rows(logits[None, :], pos, history, None, params, cap=cap)[0]
+
+
+@partial(jax.jit, static_argnames=("cap",))
+def token_probs(logits, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
+    """The distribution each row is sampled from, float32 [R, V] (one-hot on the greedy pick for T <= 0)."""
+    R, V = logits.shape
+
+    def finish(vals, ids, n, split):
+        e = _weights(vals, n, params.temperature)
+        return jnp.zeros((R, V), jnp.float32).at[jnp.arange(R)[:, None], ids].set(e / jnp.sum(e, -1, keepdims=True))
+
+    return _select(_penalised(logits, history, drafts, params), params, cap, finish)
