@@ -1,0 +1,323 @@
+"""The cascade draft source: conversation SAM -> frozen reference SAMs -> Token-Recycling fallback.
+
+`SpeculationIndex` composes the package's draft sources behind one `DraftSource`:
+
+  1. conversation: an online suffix automaton over every committed token (prompt + generated), fed by
+     `observe`;
+  2. references: up to 8 frozen suffix automata over caller-tokenized documents (`add_reference`), each
+     walked by this conversation's own cursor;
+  3. recycling: the top-1 chain of the Token-Recycling matrix, capped at 8 tokens.
+
+Selection: the longest match among the unmuted index sources wins (ties: conversation, then the
+first-added reference: recency in the live stream beats a static document); its budget is
+beta * (1 + match_len) tokens, capped by the caller's buffer. Matches shorter than `min_match` fall through
+to recycling; an unseen recycling row drafts 0 and the decoder does a plain step.
+
+Per-source muting (the source-selection gate; the decoder's cost gate owns the global economics): each
+source keeps a rolling window over its last 64 drafted tokens; when a full window is below 20% accepted
+the source sits out the next 128 committed tokens, then is re-probed with a fresh window. Muted sources
+keep observing, so they are in sync when they come back. Acceptance is inferred at the suggest -> observe
+seam as the longest common prefix of the draft and the next committed slice: a heuristic for selection
+only; what gets committed never depends on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from fucina_jax.errors import DraftIndexError, IndexPoisonedError
+from fucina_jax.index.recycling import RecyclingMatrix
+from fucina_jax.index.sam import SuffixAutomaton
+
+__all__ = ["CascadePolicy", "SourceStats", "SpeculationIndex"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadePolicy:
+    """The cascade's constants (design record section 7); the defaults are the specified values."""
+
+    beta: int = 2  # draft budget = beta * (1 + match_len) tokens
+    min_match: int = 2  # shorter index matches fall through to recycling
+    recycling_cap: int = 8  # longest recycling chain, tokens
+    mute_window: int = 64  # drafted tokens in a source's rolling acceptance window
+    mute_below: float = 0.2  # a full window under this acceptance rate mutes the source
+    mute_tokens: int = 128  # committed tokens a muted source sits out before its re-probe
+    max_references: int = 8  # reference documents per conversation
+
+    def __post_init__(self) -> None:
+        if min(self.beta, self.min_match, self.mute_window, self.max_references) < 1 or self.recycling_cap < 0:
+            raise DraftIndexError(f"cascade policy values must be positive: {self}")
+        if not 0.0 <= self.mute_below <= 1.0 or self.mute_tokens < 0:
+            raise DraftIndexError(f"mute_below must be in [0, 1] and mute_tokens >= 0: {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceStats:
+    """Cumulative acceptance of one source: accepted of drafted tokens."""
+
+    name: str
+    accepted: int
+    drafted: int
+    muted: bool
+    poisoned: bool = False
+
+
+class _Source:
+    """Accounting for one source: totals, the rolling window, the mute deadline."""
+
+    __slots__ = ("name", "accepted", "drafted", "window", "window_sum", "muted_until")
+
+    def __init__(self, name: str, window: int) -> None:
+        self.name = name
+        self.accepted = 0
+        self.drafted = 0
+        self.window: collections.deque[int] = collections.deque(maxlen=window)  # 1 accepted, 0 rejected
+        self.window_sum = 0
+        self.muted_until = -1  # committed-token count at which a muted source is re-probed; -1: not muted
+
+    @property
+    def muted(self) -> bool:
+        return self.muted_until >= 0
+
+    def record(self, drafted: int, accepted: int, policy: CascadePolicy, n_committed: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        w = self.window
+        for outcome in [1] * accepted + [0] * (drafted - accepted):
+            if len(w) == w.maxlen:
+                self.window_sum -= w[0]
+            w.append(outcome)
+            self.window_sum += outcome
+        if len(w) == w.maxlen and self.window_sum < policy.mute_below * w.maxlen:
+            self.muted_until = n_committed + policy.mute_tokens
+
+    def maybe_reprobe(self, n_committed: int) -> None:
+        if 0 <= self.muted_until <= n_committed:
+            self.muted_until = -1
+            self.window.clear()  # a fresh window: the old verdict must not re-mute it at once
+            self.window_sum = 0
+
+
+class SpeculationIndex:
+    """The cascade as one `DraftSource` (see the module docstring for the policy).
+
+    SpeculationIndex(vocab_size, *, policy=CascadePolicy(), recycling=True, max_tokens=None):
+    `vocab_size` bounds token ids and sizes the recycling matrix; `recycling=False` drops the fallback
+    (and `wants_topk` becomes False); `max_tokens` caps the conversation index (past it the index is
+    poisoned and drafts nothing, the other sources keep working).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        policy: CascadePolicy = CascadePolicy(),
+        recycling: bool = True,
+        max_tokens: int | None = None,
+    ) -> None:
+        if vocab_size <= 0:
+            raise DraftIndexError(f"vocab_size must be positive; got {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.policy = policy
+        self._conversation = SuffixAutomaton(max_tokens=max_tokens)
+        self._references: list[SuffixAutomaton] = []
+        self._cursors = []  # one Cursor per reference, walked over this conversation's stream
+        self._recycling = RecyclingMatrix(self.vocab_size) if recycling else None
+        self._src_conversation = _Source("conversation", policy.mute_window)
+        self._src_references: list[_Source] = []
+        self._src_recycling = _Source("recycling", policy.mute_window)
+        self._stream = np.zeros(1024, dtype=np.int32)  # [capacity] committed tokens; the first _n are live
+        self._n = 0
+        self._pending: tuple[_Source, np.ndarray] | None = None  # the last draft, awaiting its verdict
+        self._topk_budget = 0  # rows observe_topk may still take: the size of the latest observed slice
+
+    # ---- DraftSource --------------------------------------------------------------------------------
+
+    @property
+    def wants_topk(self) -> bool:
+        return self._recycling is not None
+
+    def suggest(self, context: np.ndarray, buf: np.ndarray) -> int:
+        """Draft into buf[:n]; returns n. `context` is not read: the committed stream arrives via observe."""
+        self._pending = None
+        limit = len(buf)
+        if limit <= 0:
+            return 0
+        p = self.policy
+        # (match_len, source order, index or cursor, accounting); conversation is order 0
+        candidates = []
+        if not self._src_conversation.muted:
+            length = self._conversation.match_len
+            if length >= p.min_match:
+                candidates.append((length, 0, self._conversation, self._src_conversation))
+        for order, (cursor, src) in enumerate(zip(self._cursors, self._src_references), start=1):
+            if not src.muted:
+                length = cursor.match_len
+                if length >= p.min_match:
+                    candidates.append((length, order, cursor, src))
+        candidates.sort(key=lambda c: (-c[0], c[1]))  # longest first; ties keep conversation/add order
+        for length, _, index, src in candidates:
+            # a reference match that ends its document has no continuation: try the next candidate
+            n = index.draft(buf, min(p.beta * (1 + length), limit))
+            if n > 0:
+                self._pending = (src, buf[:n].copy())
+                return n
+        if self._recycling is not None and not self._src_recycling.muted and self._n > 0:
+            n = self._recycling.draft(int(self._stream[self._n - 1]), buf, min(p.recycling_cap, limit))
+            if n > 0:
+                self._pending = (self._src_recycling, buf[:n].copy())
+                return n
+        return 0
+
+    def observe(self, committed: np.ndarray) -> None:
+        """Feed newly committed tokens to every source (muted ones included) and settle the pending draft."""
+        toks = self._check_tokens(committed, "committed tokens")
+        k = len(toks)
+        n_after = self._n + k
+        if self._pending is not None:
+            src, draft = self._pending
+            self._pending = None
+            m = min(len(draft), k)
+            same = draft[:m] == toks[:m]
+            accepted = m if same.all() else int(np.argmin(same))
+            src.record(len(draft), accepted, self.policy, n_after)
+        if k:
+            if not self._conversation.poisoned:
+                try:
+                    self._conversation.extend(toks)
+                except IndexPoisonedError:
+                    pass  # degraded mode: the conversation index drafts nothing from now on
+            for cursor in self._cursors:
+                cursor.advance(toks)
+            if self._recycling is not None:
+                prev = int(self._stream[self._n - 1]) if self._n else -1
+                self._recycling.observe(prev, toks)
+            if n_after > len(self._stream):
+                grown = np.zeros(max(2 * len(self._stream), n_after), dtype=np.int32)
+                grown[: self._n] = self._stream[: self._n]
+                self._stream = grown
+            self._stream[self._n : n_after] = toks
+            self._n = n_after
+        self._topk_budget = k
+        for src in self._sources():
+            src.maybe_reprobe(self._n)
+
+    def observe_topk(self, rows: np.ndarray) -> None:
+        """Top-K rows aligned with the last committed tokens (see `DraftSource.observe_topk`)."""
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or (rows.size and rows.dtype.kind not in "iu"):
+            raise DraftIndexError(f"top-K rows must be a 2-D integer array [R, K]; got shape {rows.shape}")
+        r = rows.shape[0]
+        if r > self._topk_budget:
+            raise DraftIndexError(
+                f"observe_topk got {r} rows but only {self._topk_budget} tokens were committed by the "
+                "preceding observe(); pass one row per committed token, right after observe()"
+            )
+        self._topk_budget = 0
+        if r == 0 or self._recycling is None:
+            return
+        if rows.size and (rows.min() < 0 or rows.max() >= self.vocab_size):
+            raise DraftIndexError(f"top-K candidate ids must be in [0, {self.vocab_size})")
+        start = self._n - r  # stream position of the token rows[0] produced
+        if start == 0:  # the first token of the stream has no predecessor row to update
+            rows, start = rows[1:], 1
+        self._recycling.observe_topk(self._stream[start - 1 : self._n - 1], self._stream[start : self._n], rows)
+
+    # ---- references and turn trimming ---------------------------------------------------------------
+
+    def add_reference(self, tokens) -> int:
+        """Index a reference document (tokenized with the model's own tokenizer); returns its number.
+
+        Its cursor is caught up over the committed stream, so a document injected mid-conversation
+        matches the existing context at once.
+        """
+        if len(self._references) >= self.policy.max_references:
+            raise DraftIndexError(
+                f"at most {self.policy.max_references} reference documents per conversation; "
+                "call clear_references() first"
+            )
+        toks = self._check_tokens(tokens, "reference tokens")
+        if len(toks) == 0:
+            raise DraftIndexError("the reference document is empty (did its tokenization fail?)")
+        sam = SuffixAutomaton.reference(toks)
+        cursor = sam.cursor()
+        # The longest suffix of the stream that occurs in the document is at most len(document) long, and
+        # a cursor's (state, length) depends only on that matched string, so the tail is enough.
+        cursor.advance(self._stream[max(0, self._n - len(toks)) : self._n])
+        self._references.append(sam)
+        self._cursors.append(cursor)
+        self._src_references.append(_Source(f"ref{len(self._src_references)}", self.policy.mute_window))
+        return len(self._references) - 1
+
+    def clear_references(self) -> None:
+        """Drop every reference document, its statistics and any pending draft accounting."""
+        self._references.clear()
+        self._cursors.clear()
+        self._src_references.clear()
+        self._pending = None
+
+    def truncate_pending(self, keep: int = 0) -> None:
+        """Limit the pending draft's accounting to its first `keep` tokens (0 drops it).
+
+        For a caller that trims the committed slice before `observe` (a chat turn ending at a stop
+        marker): drafted tokens past the kept part were never shown to the index, so they must count as
+        neither accepted nor rejected.
+        """
+        if self._pending is None:
+            return
+        src, draft = self._pending
+        self._pending = (src, draft[: max(0, int(keep))]) if keep > 0 else None
+
+    # ---- statistics ---------------------------------------------------------------------------------
+
+    @property
+    def n_committed(self) -> int:
+        return self._n
+
+    @property
+    def n_references(self) -> int:
+        return len(self._references)
+
+    def stream(self) -> np.ndarray:
+        """A copy of the committed stream the index has observed, int32."""
+        return self._stream[: self._n].copy()
+
+    def stats(self) -> list[SourceStats]:
+        """Per-source totals, in cascade order: conversation, ref0.., recycling (when enabled)."""
+        out = []
+        for src in self._sources():
+            poisoned = src is self._src_conversation and self._conversation.poisoned
+            out.append(SourceStats(src.name, src.accepted, src.drafted, src.muted, poisoned))
+        return out
+
+    def summary(self) -> str:
+        """One line: `spec sources: conversation a/d ref0 a/d recycling a/d [muted]`."""
+        parts = []
+        for s in self.stats():
+            flags = (" [muted]" if s.muted else "") + (" [poisoned]" if s.poisoned else "")
+            parts.append(f"{s.name} {s.accepted}/{s.drafted}{flags}")
+        return "spec sources: " + " ".join(parts)
+
+    @property
+    def nbytes(self) -> int:
+        """Heap bytes of every index (SAMs, recycling matrix, the stream copy)."""
+        total = self._conversation.nbytes + sum(s.nbytes for s in self._references) + self._stream.nbytes
+        return total + (self._recycling.nbytes if self._recycling is not None else 0)
+
+    # ---- helpers ------------------------------------------------------------------------------------
+
+    def _sources(self) -> list[_Source]:
+        tail = [self._src_recycling] if self._recycling is not None else []
+        return [self._src_conversation, *self._src_references, *tail]
+
+    def _check_tokens(self, tokens, what: str) -> np.ndarray:
+        a = np.asarray(tokens)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise DraftIndexError(f"{what} must be a 1-D integer array; got shape {a.shape} dtype {a.dtype}")
+        if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+            bad = a[(a < 0) | (a >= self.vocab_size)][0]
+            raise DraftIndexError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return a.astype(np.int32, copy=False)
