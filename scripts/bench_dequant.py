@@ -4,6 +4,10 @@ Real tensors: every tensor of the embedded Gemma 3 270M Q4_K_M file and of SmolL
 Synthetic tensors (--synthetic): random blocks of every natively supported type, for the types those files lack.
 Each row reports the best of --repeat runs and whether the two results are bitwise equal.
 
+The first run in a process can be much slower than the rest for reasons outside the dequantizer: on a fresh VM the
+first touch of never-used guest memory is slow (measured here, Firecracker: 1.7 s to first fill 640 MiB, 0.07 s after),
+and the model file may not yet be in the page cache. Best-of-N reports the steady state.
+
     python scripts/bench_dequant.py [--repeat 3] [--synthetic] [--no-reference]
 """
 
