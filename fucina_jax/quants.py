@@ -10,8 +10,8 @@ Memory: the output is allocated once; the raw bytes (usually a read-only memmap)
 `CHUNK_ELEMENTS` output values, so temporaries stay a few MiB regardless of the tensor size.
 
 Types with their own kernel are `NATIVE_TYPES`. The codebook i-quants (IQ1_S, IQ1_M, IQ2_*, IQ3_*) need large lattice
-tables; they are delegated to `gguf.quants` (slower, same results). Everything else raises
-`UnsupportedTensorTypeError`.
+tables; they are delegated to `gguf.quants` (slower, same results). Everything else (integer and F64 tensors,
+the activation-only Q8_1/Q8_K, types newer than the installed gguf) raises `UnsupportedTensorTypeError`.
 
 `BLOCK_LAYOUTS` describes each type's block (elements per block, bytes per block, byte fields and the value formula)
 for code that repacks quantized weights instead of dequantizing them.
@@ -32,9 +32,14 @@ __all__ = [
     "BlockField",
     "BlockLayout",
     "CHUNK_ELEMENTS",
+    "E8M0_HALF",
     "FALLBACK_TYPES",
+    "KVALUES_IQ4NL",
+    "KVALUES_MXFP4",
     "NATIVE_TYPES",
+    "QK_K",
     "SUPPORTED_TYPES",
+    "UE4M3_HALF",
     "block_layout",
     "dequantize",
     "dequantize_blocks",
@@ -44,7 +49,8 @@ T = GGMLQuantizationType
 QK_K = 256  # elements in a K-quant / i-quant super-block
 
 # About this many float32 outputs (2 MiB) per chunk: big enough to amortise NumPy call overhead, small enough that
-# the uint8/int8 temporaries of a chunk stay in cache. Measured: 2^17..2^21 are within 10% of each other.
+# the uint8/int8 temporaries of a chunk stay in cache. Measured: 2^17..2^20 are within 10% of each other, 2^15 and
+# 2^21 slower.
 CHUNK_ELEMENTS = 1 << 19
 
 
@@ -209,7 +215,7 @@ BLOCK_LAYOUTS: dict[GGMLQuantizationType, BlockLayout] = {
 }
 
 
-def block_layout(qtype: GGMLQuantizationType | int) -> BlockLayout:
+def block_layout(qtype: GGMLQuantizationType | int | str) -> BlockLayout:
     """The block layout of a type that has a native kernel (see `BLOCK_LAYOUTS`)."""
     qtype = _as_qtype(qtype)
     try:
@@ -510,10 +516,13 @@ def _names(types) -> str:
     return ", ".join(t.name for t in types)
 
 
-def _as_qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
+def _as_qtype(qtype: GGMLQuantizationType | int | str) -> GGMLQuantizationType:
+    """A GGMLQuantizationType from the enum, its integer id (as stored in GGUF) or its name ("Q4_K")."""
     try:
+        if isinstance(qtype, str):
+            return GGMLQuantizationType[qtype.upper()]
         return GGMLQuantizationType(int(qtype))
-    except (ValueError, TypeError):
+    except (KeyError, ValueError, TypeError):
         raise UnsupportedTensorTypeError(
             f"unknown GGML tensor type {qtype!r}; supported types: {_names(SUPPORTED_TYPES)}. "
             "The file may come from a newer llama.cpp: re-quantize it to one of the supported types."
@@ -527,7 +536,7 @@ def _unsupported(qtype: GGMLQuantizationType) -> UnsupportedTensorTypeError:
     )
 
 
-def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType | int, out: np.ndarray | None = None) -> np.ndarray:
+def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType | int | str, out: np.ndarray | None = None) -> np.ndarray:
     """Raw blocks `uint8[n, type_size]` -> float32 `[n, block_size]` with a native kernel, chunked; `out` may be given."""
     qtype = _as_qtype(qtype)
     kernel = _KERNELS.get(qtype)
@@ -551,7 +560,7 @@ def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType | int, out
     return out
 
 
-def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int, shape: tuple[int, ...]) -> np.ndarray:
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | int | str, shape: tuple[int, ...]) -> np.ndarray:
     """A tensor's stored data -> float32 array of `shape` (NumPy order, last axis = GGUF row).
 
     `raw` is what `gguf.GGUFReader` gives: a typed array for F32/F16, otherwise the bytes (uint8, any shape).

@@ -226,12 +226,20 @@ def test_supported_types_cover_everything_gguf_dequantizes():
     assert required <= set(quants.NATIVE_TYPES)
 
 
-@pytest.mark.parametrize("qtype", [T.I32, T.F64, T.Q8_K, T.Q8_1, 99], ids=str)
+@pytest.mark.parametrize("qtype", [T.I32, T.F64, T.Q8_K, T.Q8_1, 99, "Q9_9"], ids=str)
 def test_unsupported_type_raises(qtype):
     with pytest.raises(UnsupportedTensorTypeError) as e:
         quants.dequantize(np.zeros((1, 64), np.uint8), qtype, (1, 16))
     msg = str(e.value)
-    assert ("99" in msg if qtype == 99 else qtype.name in msg) and "Q4_K" in msg and "Q8_0" in msg, msg
+    named = str(qtype) if isinstance(qtype, (int, str)) and not isinstance(qtype, T) else qtype.name
+    assert named in msg and "Q4_K" in msg and "Q8_0" in msg, msg
+
+
+def test_type_given_by_id_or_name():
+    raw = random_blocks(T.Q4_K, 2, np.random.default_rng(3))
+    expected = quants.dequantize(raw, T.Q4_K, (512,))
+    assert_bitwise(quants.dequantize(raw, int(T.Q4_K), (512,)), expected)
+    assert_bitwise(quants.dequantize(raw, "q4_k", (512,)), expected)
 
 
 def test_block_layout_of_fallback_type_raises():
