@@ -121,10 +121,16 @@ class SamplerConfig:
         def is_real(v) -> bool:
             return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
+        def f32_finite(v, reciprocal: bool = False) -> bool:
+            # The pipeline computes in float32 (as llama.cpp does): 1e39 or 1 / 1e-45 overflow there.
+            with np.errstate(over="ignore", divide="ignore"):
+                x = np.float32(v)
+                return math.isfinite(v) and bool(np.isfinite(np.float32(1.0) / x if reciprocal else x))
+
         for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            if not is_real(v) or not math.isfinite(v):
-                raise bad(name, v, "it must be a finite number")
+            if not is_real(v) or not f32_finite(v):
+                raise bad(name, v, "it must be a finite (float32) number")
         for name in ("top_k", "repeat_last_n", "min_keep"):
             if not is_int(getattr(self, name)):
                 raise bad(name, getattr(self, name), "it must be an integer")
@@ -135,7 +141,7 @@ class SamplerConfig:
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "it must be in [0, 1] (0 disables min-p)")
         # llama.cpp rejects these too (common_sampler_init): 1/penalty must stay finite.
-        if self.repeat_penalty <= 0.0 or not math.isfinite(1.0 / self.repeat_penalty):
+        if self.repeat_penalty <= 0.0 or not f32_finite(self.repeat_penalty, reciprocal=True):
             raise bad("repeat_penalty", self.repeat_penalty, "it must be > 0 (1 disables it)")
         if self.repeat_last_n < -1:
             raise bad("repeat_last_n", self.repeat_last_n, "it must be >= -1 (0 disables penalties, -1 = context)")
@@ -232,7 +238,8 @@ def push_history(history: History, new: jax.Array, n_new: jax.Array) -> History:
 
 
 def row_windows(history: History, drafts: jax.Array | None, repeat_last_n: jax.Array, n_rows: int):
-    """Per-row penalty windows for a verify: row i sees history + drafts[:i], cut to its last repeat_last_n tokens.
+    """Per-row penalty windows for a verify: row i sees history + drafts[:i], cut to its last repeat_last_n tokens
+    (and to the window capacity W).
 
     Returns tokens int32 [R, W + D] and a bool mask [R, W + D] (D = len(drafts), 0 without drafts). Chronological
     index: base slot j is j, draft d is count + d; row i's stream has length count + i.
@@ -251,9 +258,10 @@ def row_windows(history: History, drafts: jax.Array | None, repeat_last_n: jax.A
     valid = jnp.concatenate(
         [jnp.broadcast_to(jnp.arange(W)[None, :] < history.count, (R, W)), jnp.broadcast_to(d < rows, (R, D))], axis=1
     )
-    # -1 = the whole context: everything the window holds.
-    last_n = jnp.where(repeat_last_n < 0, W + D, repeat_last_n)
-    in_window = chron[None, :] >= history.count + rows - last_n
+    # Never more than the last W tokens (-1 = the whole context = W when the window is sized to the context, see
+    # SamplerConfig.history_capacity): a sequential run, whose window drops its oldest tokens, sees the same.
+    last_n = jnp.where(repeat_last_n < 0, W, jnp.minimum(repeat_last_n, W))
+    in_window = chron[None, :] >= history.count + jnp.minimum(rows, D) - last_n  # row i's stream: count + min(i, D)
     return tokens, valid & in_window
 
 
@@ -347,6 +355,9 @@ def _select(logits, params: SamplerParams, cap: int, finish):
     survivors) are redone with a full sort: exact always, fast when filters leave <= cap tokens."""
     V = logits.shape[-1]
     split = min(cap, V)
+    # TopK orders -0.0 below +0.0 (a total order on the bits); they are equal logits, so make them one value
+    # and let the lower id win, as for every other tie.
+    logits = jnp.where(logits == 0.0, jnp.float32(0.0), logits)
 
     def run(c):
         # The barrier keeps XLA from rewriting TopK + slice into a full sort (60x slower on the CPU).
