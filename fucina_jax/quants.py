@@ -101,7 +101,9 @@ class BlockLayout:
         return n_elements // self.block_size * self.type_size
 
 
-def _layout(qtype: GGMLQuantizationType, block_size: int, formula: str, *fields: tuple[str, int, str, str]) -> BlockLayout:
+def _layout(
+    qtype: GGMLQuantizationType, block_size: int, formula: str, *fields: tuple[str, int, str, str]
+) -> BlockLayout:
     out, offset = [], 0
     for name, size, dtype, doc in fields:
         out.append(BlockField(name, offset, size, dtype, doc))
@@ -109,107 +111,108 @@ def _layout(qtype: GGMLQuantizationType, block_size: int, formula: str, *fields:
     return BlockLayout(qtype, block_size, offset, tuple(out), formula)
 
 
-_F16 = "<f2"
-_U8 = "|u1"
-_I8 = "|i1"
+_DT_F16 = "<f2"
+_DT_U8 = "|u1"
+_DT_I8 = "|i1"
 
 # e = index of the value inside its block throughout. "nibble(b, h)" is the low (h=0) or high (h=1) 4 bits of byte b.
 BLOCK_LAYOUTS: dict[GGMLQuantizationType, BlockLayout] = {
     layout.qtype: layout
     for layout in (
         _layout(T.F32, 1, "y = x", ("x", 4, "<f4", "value")),
-        _layout(T.F16, 1, "y = float(x)", ("x", 2, _F16, "value")),
+        _layout(T.F16, 1, "y = float(x)", ("x", 2, _DT_F16, "value")),
         _layout(T.BF16, 1, "y = bits(x) << 16 as float32", ("x", 2, "<u2", "upper half of a float32")),
         _layout(
             T.Q4_0, 32, "y = (nibble(qs[e % 16], e // 16) - 8) * d",
-            ("d", 2, _F16, "scale"), ("qs", 16, _U8, "4-bit quants: low nibbles are e 0..15, high nibbles e 16..31"),
+            ("d", 2, _DT_F16, "scale"),
+            ("qs", 16, _DT_U8, "4-bit quants: low nibbles are e 0..15, high nibbles e 16..31"),
         ),
         _layout(
             T.Q4_1, 32, "y = nibble(qs[e % 16], e // 16) * d + m",
-            ("d", 2, _F16, "scale"), ("m", 2, _F16, "offset (block minimum)"),
-            ("qs", 16, _U8, "4-bit quants: low nibbles are e 0..15, high nibbles e 16..31"),
+            ("d", 2, _DT_F16, "scale"), ("m", 2, _DT_F16, "offset (block minimum)"),
+            ("qs", 16, _DT_U8, "4-bit quants: low nibbles are e 0..15, high nibbles e 16..31"),
         ),
         _layout(
             T.Q5_0, 32, "y = ((nibble(qs[e % 16], e // 16) | bit(qh, e) << 4) - 16) * d",
-            ("d", 2, _F16, "scale"), ("qh", 4, "<u4", "5th bit of quant e is bit e"),
-            ("qs", 16, _U8, "low 4 bits: low nibbles are e 0..15, high nibbles e 16..31"),
+            ("d", 2, _DT_F16, "scale"), ("qh", 4, "<u4", "5th bit of quant e is bit e"),
+            ("qs", 16, _DT_U8, "low 4 bits: low nibbles are e 0..15, high nibbles e 16..31"),
         ),
         _layout(
             T.Q5_1, 32, "y = (nibble(qs[e % 16], e // 16) | bit(qh, e) << 4) * d + m",
-            ("d", 2, _F16, "scale"), ("m", 2, _F16, "offset (block minimum)"),
+            ("d", 2, _DT_F16, "scale"), ("m", 2, _DT_F16, "offset (block minimum)"),
             ("qh", 4, "<u4", "5th bit of quant e is bit e"),
-            ("qs", 16, _U8, "low 4 bits: low nibbles are e 0..15, high nibbles e 16..31"),
+            ("qs", 16, _DT_U8, "low 4 bits: low nibbles are e 0..15, high nibbles e 16..31"),
         ),
-        _layout(T.Q8_0, 32, "y = qs[e] * d", ("d", 2, _F16, "scale"), ("qs", 32, _I8, "8-bit quants")),
+        _layout(T.Q8_0, 32, "y = qs[e] * d", ("d", 2, _DT_F16, "scale"), ("qs", 32, _DT_I8, "8-bit quants")),
         _layout(
             T.Q2_K, QK_K,
             "e = 128*h + 32*j + r: y = (d * (scales[e//16] & 15)) * ((qs[32*h + r] >> 2*j) & 3)"
             " - dmin * (scales[e//16] >> 4)",
-            ("scales", 16, _U8, "per 16 values: low nibble scale, high nibble min"),
-            ("qs", 64, _U8, "2-bit quants, four per byte"),
-            ("d", 2, _F16, "super-block scale of the scales"), ("dmin", 2, _F16, "super-block scale of the mins"),
+            ("scales", 16, _DT_U8, "per 16 values: low nibble scale, high nibble min"),
+            ("qs", 64, _DT_U8, "2-bit quants, four per byte"),
+            ("d", 2, _DT_F16, "super-block scale of the scales"), ("dmin", 2, _DT_F16, "super-block scale of the mins"),
         ),
         _layout(
             T.Q3_K, QK_K,
             "e = 128*h + 32*j + r: y = (d * (s6[e//16] - 32)) * (((qs[32*h + r] >> 2*j) & 3)"
             " - (0 if hmask[e % 32] >> (e // 32) & 1 else 4))",
-            ("hmask", 32, _U8, "high (3rd) bit of quant e is bit e//32 of hmask[e%32]"),
-            ("qs", 64, _U8, "low 2 bits, four per byte"),
-            ("scales", 12, _U8, "16 6-bit scales s6[i]: low 4 bits from bytes 0..7 (low nibble i<8, high i>=8), "
+            ("hmask", 32, _DT_U8, "high (3rd) bit of quant e is bit e//32 of hmask[e%32]"),
+            ("qs", 64, _DT_U8, "low 2 bits, four per byte"),
+            ("scales", 12, _DT_U8, "16 6-bit scales s6[i]: low 4 bits from bytes 0..7 (low nibble i<8, high i>=8), "
                                 "high 2 bits from bits 2*(i//4) of byte 8 + i%4"),
-            ("d", 2, _F16, "super-block scale"),
+            ("d", 2, _DT_F16, "super-block scale"),
         ),
         _layout(
             T.Q4_K, QK_K,
             "e = 64*j + 32*h + r, b = e//32: y = (d * sc6[b]) * nibble(qs[32*j + r], h) - dmin * m6[b]",
-            ("d", 2, _F16, "super-block scale of the scales"), ("dmin", 2, _F16, "super-block scale of the mins"),
-            ("scales", 12, _U8, "8 (scale, min) 6-bit pairs, packed as in get_scale_min_k4"),
-            ("qs", 128, _U8, "4-bit quants"),
+            ("d", 2, _DT_F16, "super-block scale of the scales"), ("dmin", 2, _DT_F16, "super-block scale of the mins"),
+            ("scales", 12, _DT_U8, "8 (scale, min) 6-bit pairs, packed as in get_scale_min_k4"),
+            ("qs", 128, _DT_U8, "4-bit quants"),
         ),
         _layout(
             T.Q5_K, QK_K,
             "e = 64*j + 32*h + r, b = e//32: y = (d * sc6[b]) * (nibble(qs[32*j + r], h)"
             " + 16 * (qh[r] >> b & 1)) - dmin * m6[b]",
-            ("d", 2, _F16, "super-block scale of the scales"), ("dmin", 2, _F16, "super-block scale of the mins"),
-            ("scales", 12, _U8, "8 (scale, min) 6-bit pairs, packed as in get_scale_min_k4"),
-            ("qh", 32, _U8, "5th bit of quant e is bit e//32 of qh[e%32]"),
-            ("qs", 128, _U8, "low 4 bits"),
+            ("d", 2, _DT_F16, "super-block scale of the scales"), ("dmin", 2, _DT_F16, "super-block scale of the mins"),
+            ("scales", 12, _DT_U8, "8 (scale, min) 6-bit pairs, packed as in get_scale_min_k4"),
+            ("qh", 32, _DT_U8, "5th bit of quant e is bit e//32 of qh[e%32]"),
+            ("qs", 128, _DT_U8, "low 4 bits"),
         ),
         _layout(
             T.Q6_K, QK_K,
             "e = 128*h + 32*k + r: q = nibble(ql[64*h + 32*(k&1) + r], k>>1) | ((qh[32*h + r] >> 2*k) & 3) << 4;"
             " y = (d * scales[e//16]) * (q - 32)",
-            ("ql", 128, _U8, "low 4 bits"), ("qh", 64, _U8, "high 2 bits, four per byte"),
-            ("scales", 16, _I8, "signed 8-bit scale per 16 values"), ("d", 2, _F16, "super-block scale"),
+            ("ql", 128, _DT_U8, "low 4 bits"), ("qh", 64, _DT_U8, "high 2 bits, four per byte"),
+            ("scales", 16, _DT_I8, "signed 8-bit scale per 16 values"), ("d", 2, _DT_F16, "super-block scale"),
         ),
         _layout(
             T.IQ4_NL, 32, "y = d * KVALUES_IQ4NL[nibble(qs[e % 16], e // 16)]",
-            ("d", 2, _F16, "scale"), ("qs", 16, _U8, "4-bit indices into a non-linear 16-entry table"),
+            ("d", 2, _DT_F16, "scale"), ("qs", 16, _DT_U8, "4-bit indices into a non-linear 16-entry table"),
         ),
         _layout(
             T.IQ4_XS, QK_K,
             "b = e//32, ls = nibble(scales_l[b//2], b%2) | ((scales_h >> 2*b) & 3) << 4:"
             " y = (d * (ls - 32)) * KVALUES_IQ4NL[nibble(qs[16*b + e%16], (e%32)//16)]",
-            ("d", 2, _F16, "super-block scale"), ("scales_h", 2, "<u2", "high 2 bits of the 8 sub-block scales"),
-            ("scales_l", 4, _U8, "low 4 bits of the 8 sub-block scales"), ("qs", 128, _U8, "4-bit table indices"),
+            ("d", 2, _DT_F16, "super-block scale"), ("scales_h", 2, "<u2", "high 2 bits of the 8 sub-block scales"),
+            ("scales_l", 4, _DT_U8, "low 4 bits of the 8 sub-block scales"), ("qs", 128, _DT_U8, "4-bit table indices"),
         ),
         _layout(
             T.TQ1_0, QK_K,
             "ternary: trit n of byte b is ((b * 3^n mod 256) * 3) >> 8; y = (trit - 1) * d",
-            ("qs", 48, _U8, "5 trits per byte (values 0..159 from bytes 0..31, 160..239 from bytes 32..47)"),
-            ("qh", 4, _U8, "4 trits per byte (values 240..255)"), ("d", 2, _F16, "scale"),
+            ("qs", 48, _DT_U8, "5 trits per byte (values 0..159 from bytes 0..31, 160..239 from bytes 32..47)"),
+            ("qh", 4, _DT_U8, "4 trits per byte (values 240..255)"), ("d", 2, _DT_F16, "scale"),
         ),
         _layout(
             T.TQ2_0, QK_K, "e = 128*h + 32*j + r: y = (((qs[32*h + r] >> 2*j) & 3) - 1) * d",
-            ("qs", 64, _U8, "2-bit ternary codes, four per byte"), ("d", 2, _F16, "scale"),
+            ("qs", 64, _DT_U8, "2-bit ternary codes, four per byte"), ("d", 2, _DT_F16, "scale"),
         ),
         _layout(
             T.MXFP4, 32, "y = KVALUES_MXFP4[nibble(qs[e % 16], e // 16)] * 2^(e8 - 128)",
-            ("e", 1, _U8, "E8M0 shared exponent"), ("qs", 16, _U8, "E2M1 codes"),
+            ("e", 1, _DT_U8, "E8M0 shared exponent"), ("qs", 16, _DT_U8, "E2M1 codes"),
         ),
         _layout(
             T.NVFP4, 64, "s = e//16: y = KVALUES_MXFP4[nibble(qs[8*s + e%8], (e%16)//8)] * ue4m3(d[s]) / 2",
-            ("d", 4, _U8, "UE4M3 scale per 16 values"), ("qs", 32, _U8, "E2M1 codes"),
+            ("d", 4, _DT_U8, "UE4M3 scale per 16 values"), ("qs", 32, _DT_U8, "E2M1 codes"),
         ),
     )
 }
@@ -273,7 +276,7 @@ def _f16(c: np.ndarray, offset: int) -> np.ndarray:
 
 
 def _nibbles(c: np.ndarray, start: int, stop: int, group: int) -> np.ndarray:
-    """Bytes `c[:, start:stop]` in groups of `group` -> uint8 `[n, 2*(stop-start)]`: per group, low then high nibbles."""
+    """Bytes `c[:, start:stop]` in groups of `group` -> uint8 `[n, 2*(stop-start)]`: per group, lows then highs."""
     n = c.shape[0]
     out = np.empty((n, (stop - start) // group, 2, group), np.uint8)
     out[:, :, 0] = (c & _U8(15))[:, start:stop].reshape(n, -1, group)
@@ -536,8 +539,11 @@ def _unsupported(qtype: GGMLQuantizationType) -> UnsupportedTensorTypeError:
     )
 
 
-def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType | int | str, out: np.ndarray | None = None) -> np.ndarray:
-    """Raw blocks `uint8[n, type_size]` -> float32 `[n, block_size]` with a native kernel, chunked; `out` may be given."""
+def dequantize_blocks(
+    blocks: np.ndarray, qtype: GGMLQuantizationType | int | str, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Raw blocks `uint8[n, type_size]` -> float32 `[n, block_size]` with a native kernel, chunked (into `out` if
+    given)."""
     qtype = _as_qtype(qtype)
     kernel = _KERNELS.get(qtype)
     if kernel is None:
