@@ -51,3 +51,7 @@ class IndexFrozenError(DraftIndexError):
 
 class IndexPoisonedError(FucinaError):
     """An append failed (out of memory, token cap reached); the index is poisoned and drafts nothing from now on."""
+
+
+class ChatTemplateError(FucinaError):
+    """A chat template failed to render (syntax error, or the template rejected the conversation)."""

@@ -348,6 +348,10 @@ def _llama_cpts(data: bytes) -> str:
 
 
 _OPAQUE_BASE = 0xDC00  # an undecodable byte b travels through the SentencePiece path as chr(0xDC00 + b)
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of an undecodable byte
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_SPLIT = re.compile("([\ud800-\udfff])")
+_MEMO_MAX_LEN = 64  # longer words/chunks rarely repeat: not worth memoizing
 
 
 def _llama_spm_chars(data: bytes) -> str:
@@ -501,9 +505,10 @@ class _PyBPE:
             else:
                 out.extend(self.fallback(p))
         got = tuple(out)
-        if len(self.memo) > 200_000:
-            self.memo.clear()
-        self.memo[word] = got
+        if len(word) <= _MEMO_MAX_LEN:
+            if len(self.memo) > 200_000:
+                self.memo.clear()
+            self.memo[word] = got
         return got
 
     def encode_words(self, words: Sequence[str]) -> list[int]:
@@ -606,6 +611,9 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.tokens must be a non-empty list of strings; the GGUF is malformed")
         self.model = model
         n = len(tokens)
+        # kept for chat templates (fucina_jax.chat_template), which need the file's template and its family
+        self.chat_template = _get(md, "tokenizer.chat_template", str)
+        self.architecture = _get(md, "general.architecture", str)
 
         # --- vocabulary kind and flags (llama_vocab::impl::load) ---
         pre_name = _get(md, "tokenizer.ggml.pre", str)
@@ -925,7 +933,7 @@ class Tokenizer:
                 out.append(f)
                 prev_special = True
                 continue
-            if lenient and any(0xDC80 <= ord(c) <= 0xDCFF for c in f):
+            if lenient and _ESCAPED_BYTE.search(f):
                 raw = f.encode("utf-8", "surrogateescape")
             else:
                 raw = None
@@ -962,9 +970,9 @@ class Tokenizer:
                 out.extend(self._bpe.encode_words(batch))
                 batch = []
                 out.append(vocab[w])
-            elif any(0xD800 <= ord(c) <= 0xDFFF for c in w):
+            elif _SURROGATE.search(w):
                 # a surrogate from invalid input (errors="replace") can merge with nothing: cut the word there
-                for part in re.split(r"([\ud800-\udfff])", w):
+                for part in _SURROGATE_SPLIT.split(w):
                     if len(part) == 1 and 0xD800 <= ord(part) <= 0xDFFF:
                         out.extend(self._bpe.encode_words(batch))
                         batch = []
@@ -985,9 +993,10 @@ class Tokenizer:
             got = memo.get(chunk)
             if got is None:
                 got = tuple(self._spm_chunk(chunk))
-                if len(memo) > 200_000:
-                    memo.clear()
-                memo[chunk] = got
+                if len(chunk) <= _MEMO_MAX_LEN:
+                    if len(memo) > 200_000:
+                        memo.clear()
+                    memo[chunk] = got
             out.extend(got)
         return out
 
@@ -1162,32 +1171,36 @@ class StreamDecoder:
         return out
 
 
-def tokenize_to_lines(model_path: str | os.PathLike, file: str | os.PathLike, out=None,
-                      errors: str = "replace") -> int:
+def tokenize_to_lines(model_path: str | os.PathLike, file: str | os.PathLike, out=None, *, add_bos: bool | None = None,
+                      parse_special: bool = True, errors: str = "replace") -> int:
     """`generate.py MODEL --tokenize FILE`: print the token ids of FILE ("-" = stdin), one per line, reading only
-    the vocabulary. Same ids as `llama-tokenize -m MODEL -f FILE --ids --no-escape` (BOS as the model asks, special
-    texts not parsed, file bytes verbatim; invalid UTF-8 handled like llama.cpp with a warning on stderr unless
-    errors="strict"). Returns the number of tokens."""
+    the vocabulary. Same ids as `llama-tokenize -m MODEL -f FILE --ids --no-escape`: the file's bytes verbatim, BOS
+    if the model adds one (add_bos=False is llama-tokenize's --no-bos), special-token texts parsed (llama-tokenize's
+    default; parse_special=False is its --no-parse-special), invalid UTF-8 tokenized the way llama.cpp does with a
+    warning on stderr (errors="strict" raises TokenizerError instead). Returns the number of tokens."""
     out = sys.stdout if out is None else out
+    name = os.fspath(file)
     tok = Tokenizer.from_gguf(model_path)
-    if os.fspath(file) == "-":
+    if name == "-":
         data = sys.stdin.buffer.read()
+        name = "<stdin>"
     else:
         try:
-            with open(file, "rb") as f:
+            with open(name, "rb") as f:
                 data = f.read()
         except OSError as e:
-            raise TokenizerError(f"cannot read {os.fspath(file)!r}: {e.strerror}") from None
+            raise TokenizerError(f"cannot read {name!r}: {e.strerror}") from None
     if not data:
-        print(f"warning: {os.fspath(file)!r} is empty", file=sys.stderr)
+        print(f"warning: {name} is empty", file=sys.stderr)
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
         if errors == "strict":
-            raise TokenizerError(f"{os.fspath(file)!r} is not valid UTF-8 (byte 0x{data[e.start]:02X} at offset "
-                                 f"{e.start}); fix its encoding") from None
-        print(f"warning: {os.fspath(file)!r} is not valid UTF-8 (first bad byte at offset {e.start}); tokenizing "
-              "it the way llama.cpp does", file=sys.stderr)
-    ids = tok.encode_bytes(data, add_special=tok.add_bos, parse_special=False, errors=errors)
+            raise TokenizerError(f"{name} is not valid UTF-8 (byte 0x{data[e.start]:02X} at offset {e.start}); "
+                                 "fix its encoding") from None
+        print(f"warning: {name} is not valid UTF-8 (first bad byte at offset {e.start}); tokenizing it the way "
+              "llama.cpp does", file=sys.stderr)
+    add_special = tok.add_bos if add_bos is None else (add_bos and tok.add_bos)
+    ids = tok.encode_bytes(data, add_special=add_special, parse_special=parse_special, errors=errors)
     out.write("".join(f"{i}\n" for i in ids))
     return len(ids)
