@@ -426,6 +426,7 @@ def sample_rows(
     is never read; None = every row sees only `history`). `cap` = SamplerConfig.candidate_cap. Returns int32 [R]."""
     TRACE_COUNTS["sample_rows", logits.shape, history.tokens.shape, None if drafts is None else drafts.shape, cap] += 1
     u = position_uniform(params.seed, positions)
+    penalised = _penalised(logits, history, drafts, params)
 
     def finish(vals, ids, n, split):
         # Inverse CDF in descending order, as llama.cpp's dist walks its (sorted) list: first entry whose
@@ -435,7 +436,15 @@ def sample_rows(
         pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
         return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
 
-    return _select(_penalised(logits, history, drafts, params), params, cap, finish)
+    # Greedy needs no sort: the filters always keep the maximum; take the first (lowest id) of equal maxima, the
+    # token the pipeline's greedy branch picks. max + min-index is ~4x faster than XLA's CPU argmax.
+    def greedy():
+        V = penalised.shape[-1]
+        is_max = penalised == jnp.max(penalised, axis=-1, keepdims=True)
+        first = jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+        return jnp.minimum(first, V - 1)  # a NaN row has no maximum: any valid id
+
+    return jax.lax.cond(params.temperature > 0.0, lambda: _select(penalised, params, cap, finish), greedy)
 
 
 def sample_row(logits: jax.Array, position, history: History, params: SamplerParams, *, cap: int) -> jax.Array:
