@@ -327,8 +327,9 @@ def _survivors(logits, vals, params: SamplerParams, split: int):
     e = jnp.where(live0, jnp.exp(vals - mx), 0.0)
     cum_e = _cumsum_split(e, split)
     prefix_total = jnp.take_along_axis(cum_e, jnp.clip(n0 - 1, 0, C - 1)[:, None], axis=-1)[:, 0]
-    # With top-k off the normaliser is the whole row's: one pass over the vocab, skipped when not needed.
-    total = jax.lax.cond(whole_row & (params.top_p < 1.0) & (C < V),
+    # With top-k off the normaliser is the whole row's: one pass over the vocab, skipped when not needed. Computed
+    # the same way at every width, so the full-sort path reproduces the fast path's cut bit for bit.
+    total = jax.lax.cond(whole_row & (params.top_p < 1.0),
                          lambda: jnp.sum(jnp.exp(logits - mx), axis=-1), lambda: prefix_total)
     cum = _cumsum_split(e / total[:, None], split)
     reach = (cum >= params.top_p) & (j + 1 >= params.min_keep) & live0

@@ -403,6 +403,24 @@ def test_token_depends_only_on_seed_position_row_and_history():
     assert len(set(others.tolist())) > 3
 
 
+def test_full_sort_fallback_does_not_change_other_rows():
+    """One row with more survivors than `cap` sends the whole batch through the full sort; the other rows must
+    still get exactly the tokens the top-`cap` path gives them (no dependence on batch companions)."""
+    rng = np.random.default_rng(15)
+    p = cfg_with(seed=3, temperature=1.0, top_k=0, top_p=0.9, min_p=0.0).params()
+    h = empty_history()
+    for _ in range(5):
+        peaked = (rng.standard_normal((R, V)) * 0.2).astype(np.float32)
+        peaked[:, :6] += 8.0  # top-p 0.9 is reached inside the first 6
+        pos = jnp.asarray(rng.integers(0, 1 << 20, R).astype(np.int32))
+        alone = np.asarray(sample_rows(jnp.asarray(peaked), pos, h, None, p, cap=8))
+        mixed = peaked.copy()
+        mixed[R - 1] = flat_rows(rng, 1)[0]  # ~270 survivors: needs the full sort
+        together = np.asarray(sample_rows(jnp.asarray(mixed), pos, h, None, p, cap=8))
+        assert together[:-1].tolist() == alone[:-1].tolist()
+        assert np.asarray(filter_mask(jnp.asarray(mixed), h, None, p, cap=8))[R - 1].sum() > 8
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Speculative verify: per-row draft histories
 
