@@ -1171,16 +1171,16 @@ class StreamDecoder:
         return out
 
 
-def tokenize_to_lines(model_path: str | os.PathLike, file: str | os.PathLike, out=None, *, add_bos: bool | None = None,
-                      parse_special: bool = True, errors: str = "replace") -> int:
+def tokenize_to_lines(model: str | os.PathLike | Tokenizer, file: str | os.PathLike, out=None, *,
+                      add_bos: bool | None = None, parse_special: bool = True, errors: str = "replace") -> int:
     """`generate.py MODEL --tokenize FILE`: print the token ids of FILE ("-" = stdin), one per line, reading only
-    the vocabulary. Same ids as `llama-tokenize -m MODEL -f FILE --ids --no-escape`: the file's bytes verbatim, BOS
+    the vocabulary of MODEL (a GGUF path, or a Tokenizer already built). Same ids as `llama-tokenize -m MODEL -f FILE --ids --no-escape`: the file's bytes verbatim, BOS
     if the model adds one (add_bos=False is llama-tokenize's --no-bos), special-token texts parsed (llama-tokenize's
     default; parse_special=False is its --no-parse-special), invalid UTF-8 tokenized the way llama.cpp does with a
     warning on stderr (errors="strict" raises TokenizerError instead). Returns the number of tokens."""
     out = sys.stdout if out is None else out
     name = os.fspath(file)
-    tok = Tokenizer.from_gguf(model_path)
+    tok = model if isinstance(model, Tokenizer) else Tokenizer.from_gguf(model)
     if name == "-":
         data = sys.stdin.buffer.read()
         name = "<stdin>"
