@@ -219,8 +219,9 @@ class SpeculationIndex:
         self._topk_budget = 0
         if r == 0 or self._recycling is None:
             return
-        if rows.size and (rows.min() < 0 or rows.max() >= self.vocab_size):
-            raise DraftIndexError(f"top-K candidate ids must be in [0, {self.vocab_size})")
+        lo, hi = _min_max(rows)
+        if lo < 0 or hi >= self.vocab_size:
+            raise DraftIndexError(f"top-K candidate ids must be in [0, {self.vocab_size}); got {lo}..{hi}")
         start = self._n - r  # stream position of the token rows[0] produced
         if start == 0:  # the first token of the stream has no predecessor row to update
             rows, start = rows[1:], 1
@@ -317,7 +318,18 @@ class SpeculationIndex:
         a = np.asarray(tokens)
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise DraftIndexError(f"{what} must be a 1-D integer array; got shape {a.shape} dtype {a.dtype}")
-        if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+        lo, hi = _min_max(a)
+        if lo < 0 or hi >= self.vocab_size:
             bad = a[(a < 0) | (a >= self.vocab_size)][0]
             raise DraftIndexError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return a.astype(np.int32, copy=False)
+
+
+def _min_max(a: np.ndarray) -> tuple[int, int]:
+    """(min, max) of an integer array, (0, 0) when empty; per-step slices are tiny, where lists are faster."""
+    if a.size == 0:
+        return 0, 0
+    if a.size <= 64:
+        flat = a.ravel().tolist()
+        return min(flat), max(flat)
+    return int(a.min()), int(a.max())

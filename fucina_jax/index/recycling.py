@@ -52,11 +52,11 @@ class RecyclingMatrix:
     def move_to_front(self, a: int, b: int) -> None:
         """Committed bigram (a, b): b becomes row a's first candidate; the others keep their order."""
         row = self.table[a]
-        if row[0] == b:
+        old = row.tolist()  # K is small: list operations beat NumPy calls here
+        if old[0] == b:
             return
-        hits = np.flatnonzero(row == b)
-        k = int(hits[0]) if hits.size else self.k - 1  # absent: the last candidate drops out
-        row[1 : k + 1] = row[:k].copy()
+        k = old.index(b) if b in old else self.k - 1  # absent: the last candidate drops out
+        row[1 : k + 1] = old[:k]
         row[0] = b
 
     def observe(self, prev: int, committed: np.ndarray) -> None:
