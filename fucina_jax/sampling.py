@@ -4,8 +4,10 @@ Order and semantics are those of llama.cpp's sampler chain (common/sampling.cpp,
 
   penalties -> top_k -> top_p -> min_p -> temperature -> dist
 
-  penalties    over the last `repeat_last_n` committed tokens: a token seen c > 0 times gets its logit divided by
-               `repeat_penalty` if positive, multiplied if <= 0, then minus c * frequency + presence.
+  penalties    over the last `repeat_last_n` committed tokens (0: off; -1: the whole context, as llama.cpp's
+               --repeat-last-n documented until recent versions, which reject -1): a token seen c > 0 times gets
+               its logit divided by `repeat_penalty` if positive, multiplied if <= 0, then minus
+               c * frequency + presence.
   top_k        keep the k largest logits (k <= 0: off; k > V: V).
   top_p        softmax over the survivors, keep the shortest descending prefix whose cumulative probability
                reaches top_p (top_p >= 1: off), never fewer than min_keep.
@@ -14,8 +16,9 @@ Order and semantics are those of llama.cpp's sampler chain (common/sampling.cpp,
   dist         draw one token from the softmax of the survivors.
 
 The filters only ever remove the tail of the descending order, so the survivors are a prefix of the row sorted by
-logit. The pipeline therefore sorts once (top `cap` candidates, `cap` a static bucket >= top_k, or the whole vocab
-when top_k is off) and expresses top-k, top-p and min-p as prefix lengths. Ties are ordered lower token id first;
+logit. The pipeline therefore sorts once (the top `cap` candidates: `cap` a static bucket >= top_k, or
+TOP_K_OFF_CAP when top-k is off, with a full sort of the vocab for rows whose survivors do not fit) and expresses
+top-k, top-p and min-p as prefix lengths. Greedy rows skip the sort (argmax). Ties are ordered lower token id first;
 llama.cpp leaves the order of equal logits to std::partial_sort (unspecified), which only matters where a cut falls
 inside a run of equal logits (top-k, top-p) and for which of several equal maxima greedy picks.
 
