@@ -736,9 +736,9 @@ static int Sam_init(SamObject *self, PyObject *args, PyObject *kwds) {
         PyErr_Format(DraftIndexError, "reserve must be >= 0; got %lld", reserve);
         return -1;
     }
-    if (self->built) {
-        free_sam(&self->sam);
-        self->built = 0;
+    if (self->built) { /* re-initializing would pull the automaton out from under its cursors */
+        PyErr_SetString(PyExc_RuntimeError, "SuffixAutomaton.__init__ may run only once");
+        return -1;
     }
     if (build_sam(&self->sam, reserve, max_tokens) != SAM_OK) {
         free_sam(&self->sam);

@@ -29,7 +29,10 @@ _MAX_ID = 2**31 - 1
 
 def _token_list(tokens) -> list[int]:
     items = tokens if isinstance(tokens, (list, tuple)) else np.asarray(tokens).reshape(-1).tolist()
-    out = [operator.index(t) for t in items]
+    try:
+        out = [operator.index(t) for t in items]
+    except TypeError as exc:
+        raise DraftIndexError(f"token ids must be integers: {exc}") from None
     for k, t in enumerate(out):
         if not 0 <= t <= _MAX_ID:
             raise DraftIndexError(f"token ids must be in [0, {_MAX_ID}]; got {t} at position {k}")
