@@ -319,21 +319,16 @@ def _llama_cpts(data: bytes) -> str:
         if i >= n:
             break
         b = data[i]
-        cont = lambda k: i + k < n and (data[i + k] & 0xC0) == 0x80  # noqa: E731
-        if not b & 0x40:
-            cpt, size = None, 1
-        elif not b & 0x20:
-            cpt, size = (((b & 0x1F) << 6) | (data[i + 1] & 0x3F), 2) if cont(1) else (None, 1)
-        elif not b & 0x10:
-            ok = cont(1) and cont(2)
-            cpt, size = ((((b & 0x0F) << 12) | ((data[i + 1] & 0x3F) << 6) | (data[i + 2] & 0x3F)), 3) if ok \
-                else (None, 1)
-        elif not b & 0x08:
-            ok = cont(1) and cont(2) and cont(3)
-            cpt, size = ((((b & 0x07) << 18) | ((data[i + 1] & 0x3F) << 12) | ((data[i + 2] & 0x3F) << 6)
-                          | (data[i + 3] & 0x3F)), 4) if ok else (None, 1)
+        # sequence length from the lead byte; every byte after it must be a continuation byte (nothing else is
+        # checked: overlong forms and surrogates pass)
+        size = 1 if not b & 0x40 else 2 if not b & 0x20 else 3 if not b & 0x10 else 4 if not b & 0x08 else 0
+        cpt = None
+        if size > 1 and i + size <= n and all(data[i + k] & 0xC0 == 0x80 for k in range(1, size)):
+            cpt = b & (0x7F >> size)
+            for k in range(1, size):
+                cpt = (cpt << 6) | (data[i + k] & 0x3F)
         else:
-            cpt, size = None, 1
+            size = 1
         if cpt is None:
             out.append("\ufffd")
         elif cpt > 0x10FFFF:
@@ -940,9 +935,10 @@ class Tokenizer:
             if self._kind == "spm":
                 prefix = " " if self.add_space_prefix and prev_special else ""
                 if raw is None:
-                    out.extend(self._spm_fragment((prefix + f).replace(" ", "\u2581")))
+                    chars = (prefix + f).replace(" ", "\u2581")
                 else:
-                    out.extend(self._spm_fragment(_llama_spm_chars((prefix.encode() + raw).replace(b" ", "\u2581".encode()))))
+                    chars = _llama_spm_chars((prefix.encode() + raw).replace(b" ", "\u2581".encode()))
+                out.extend(self._spm_fragment(chars))
             else:
                 out.extend(self._bpe_fragment(f if raw is None else _llama_cpts(raw)))
             prev_special = False
@@ -1016,7 +1012,7 @@ class Tokenizer:
         idx[idx == len(big)] = 0
         cuts = (np.flatnonzero(big[idx] != keys) + 1).tolist()
         bounds = [0, *cuts, n]
-        return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+        return [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def _vocab_bigrams(self) -> np.ndarray:
         """Sorted keys (c1 << 21 | c2) of every adjacent character pair inside any vocabulary string."""
@@ -1174,10 +1170,11 @@ class StreamDecoder:
 def tokenize_to_lines(model: str | os.PathLike | Tokenizer, file: str | os.PathLike, out=None, *,
                       add_bos: bool | None = None, parse_special: bool = True, errors: str = "replace") -> int:
     """`generate.py MODEL --tokenize FILE`: print the token ids of FILE ("-" = stdin), one per line, reading only
-    the vocabulary of MODEL (a GGUF path, or a Tokenizer already built). Same ids as `llama-tokenize -m MODEL -f FILE --ids --no-escape`: the file's bytes verbatim, BOS
-    if the model adds one (add_bos=False is llama-tokenize's --no-bos), special-token texts parsed (llama-tokenize's
-    default; parse_special=False is its --no-parse-special), invalid UTF-8 tokenized the way llama.cpp does with a
-    warning on stderr (errors="strict" raises TokenizerError instead). Returns the number of tokens."""
+    the vocabulary of MODEL (a GGUF path, or a Tokenizer already built). Same ids as
+    `llama-tokenize -m MODEL -f FILE --ids --no-escape`: the file's bytes verbatim, BOS if the model adds one
+    (add_bos=False is llama-tokenize's --no-bos), special-token texts parsed (llama-tokenize's default;
+    parse_special=False is its --no-parse-special), invalid UTF-8 tokenized the way llama.cpp does with a warning on
+    stderr (errors="strict" raises TokenizerError instead). Returns the number of tokens."""
     out = sys.stdout if out is None else out
     name = os.fspath(file)
     tok = model if isinstance(model, Tokenizer) else Tokenizer.from_gguf(model)

@@ -127,7 +127,7 @@ def vocabs(tmp_path_factory, corpus):
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def assert_same_ids(v: Vocab, text: str, ours: list[int], ref: list[int], what: str) -> None:
@@ -383,3 +383,114 @@ def test_encode_chat_single_bos_and_control_tokens(vocabs):
     ids = encode_chat(qw, msgs, enable_thinking=False)
     assert qw.decode(ids) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert ids[0] == qw.token_id("<|im_start|>") and qw.token_id("<think>") in ids
+
+
+# --------------------------------------------------------------------------------------- fuzzing and engines
+
+# code point pools: scripts of the corpus, plus characters assigned only in Unicode 15/15.1 (llama.cpp's table),
+# unassigned ones, combining marks, odd whitespace and the characters the pre-tokenizers branch on
+_POOLS = [
+    [0x20, 0x20, 0x20, 0x0A, 0x0D, 0x09, 0x0B, 0x0C, 0x85, 0xA0, 0x2000, 0x200B, 0x3000, 0x1C],
+    list(range(0x21, 0x7F)), list(range(0x21, 0x7F)), list(range(0x30, 0x3A)) * 3, [0x27] * 5,
+    list(range(0xC0, 0x250)), list(range(0x300, 0x370)), list(range(0x391, 0x3CA)), list(range(0x410, 0x450)),
+    list(range(0x4E00, 0x4E80)), list(range(0x3040, 0x30FF)), list(range(0xAC00, 0xAC40)), list(range(0x600, 0x660)),
+    list(range(0x1F300, 0x1F680)), [0x200D, 0xFE0F, 0x20E3], list(range(0x31350, 0x31360)),  # CJK ext H (15.0)
+    list(range(0x2EBF0, 0x2EC00)), [0x1FAE8, 0x1FAE9, 0x11F50, 0x11F00, 0x2FFC, 0x31EF, 0xE0080, 0x3FFFF],
+    list(range(0xFF10, 0xFF5F)), [0x2581, 0x120, 0x10A, 0xFFFD, 0xE000, 0x10FFFD, 0xAD, 0x2028],
+    [ord(c) for c in "<|>_/"] * 3,
+]
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    out = []
+    while len(out) < n:
+        pool = rng.choice(_POOLS)
+        out.extend(chr(rng.choice(pool)) for _ in range(rng.randint(1, 8)))
+    return "".join(out)
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_random_text_like_llama_cpp(vocabs, name):
+    v = vocabs(name)
+    rng = random.Random(1234)
+    specials = ["<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>", "<bos>", "<turn|>", "<think>"]
+    for k in range(300):
+        text = random_text(rng, rng.randint(1, 80))
+        if k % 3 == 0:
+            text = rng.choice(specials).join([text, random_text(rng, 10)])
+        parse_special = k % 2 == 0
+        ours = v.tok.encode(text, add_special=False, parse_special=parse_special)
+        assert_same_ids(v, text, ours, v.ref(text.encode(), False, parse_special), f"random text #{k}")
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_random_bytes_like_llama_cpp(vocabs, name):
+    v = vocabs(name)
+    rng = random.Random(99)
+    for _ in range(200):
+        parts = []
+        for _ in range(rng.randint(1, 6)):
+            if rng.random() < 0.5:
+                parts.append(bytes(rng.randrange(256) for _ in range(rng.randint(1, 4))))
+            else:
+                parts.append(random_text(rng, rng.randint(1, 12)).encode())
+        data = b"".join(parts)
+        ours = v.tok.encode_bytes(data, add_special=True, parse_special=True, errors="replace")
+        assert ours == v.ref(data, True, True), (name, data)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3", "gemma4"])
+def test_python_bpe_equals_hf_bpe(vocabs, texts, name):
+    """The HF merge engine and the pure-Python one (llama.cpp's loop) give the same ids."""
+    tok = vocabs(name).tok
+    assert tok.bpe_engine == "hf"
+    py = Tokenizer.from_metadata(vocabs(name).metadata)
+    py._bpe = py._bpe_py
+    for text in texts[:-1]:
+        assert py.encode(text, parse_special=True) == tok.encode(text, parse_special=True), text[:60]
+
+
+def test_sentencepiece_chunking_does_not_change_ids(vocabs, texts):
+    """Cutting SentencePiece fragments where no vocabulary piece spans two characters is invisible."""
+    tok = vocabs("gemma3").tok
+    for text in texts[:-1]:
+        s = text.replace(" ", "\u2581")[:3000]
+        assert tok._spm_fragment(s) == tok._spm_chunk(s), text[:60]
+
+
+def test_inconsistent_merges_use_python_engine_like_llama_cpp(tmp_path):
+    """A merge whose result is not a token (llama.cpp tolerates it, HF refuses it): the merged piece falls back to
+    its bytes, exactly as in llama.cpp."""
+    import gguf
+
+    from fucina_jax.testing.vocab import _bytes_to_unicode
+
+    chars = _bytes_to_unicode()
+    tokens = list(chars) + ["he", "ll", "Ġw", "<|endoftext|>"]
+    types = [1] * (len(tokens) - 1) + [3]
+    merges = ["h e", "l l", "he ll", "Ġ w", "o r", "Ġw or"]  # "hell", "or", "Ġwor" are not tokens
+    path = str(tmp_path / "odd.gguf")
+    w = gguf.GGUFWriter(path, "qwen3")
+    for k, val in {"context_length": 64, "embedding_length": 64, "block_count": 1, "feed_forward_length": 64,
+                   "attention.head_count": 2, "attention.head_count_kv": 1}.items():
+        w.add_uint32(f"qwen3.{k}", val)
+    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 1)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = Tokenizer.from_gguf(path)
+    assert tok.bpe_engine == "python"
+    llm = llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    try:
+        for text in ["hello world", "hell or high water", "world", "h e l l o"]:
+            assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=False), text
+    finally:
+        llm.close()
