@@ -107,12 +107,17 @@ _REFS: dict[tuple, LlamaRef] = {}
 
 @pytest.fixture(scope="session")
 def llama_ref():
-    """llama_ref(path, **kw) -> a cached LlamaRef."""
+    """llama_ref(path, **kw) -> a cached LlamaRef (closed at session end, before the interpreter tears down
+    the llama_cpp module its destructor needs)."""
+    yield _get_ref
+    for ref in _REFS.values():
+        ref.llm.close()
+    _REFS.clear()
 
-    def get(path: str, **kw) -> LlamaRef:
-        key = (path, tuple(sorted(kw.items())))
-        if key not in _REFS:
-            _REFS[key] = LlamaRef(path, **kw)
-        return _REFS[key]
 
-    return get
+def _get_ref(path: str, **kw) -> LlamaRef:
+    key = (path, tuple(sorted(kw.items())))
+    if key not in _REFS:
+        _REFS[key] = LlamaRef(path, **kw)
+    return _REFS[key]
+
