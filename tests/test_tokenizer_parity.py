@@ -494,3 +494,39 @@ def test_inconsistent_merges_use_python_engine_like_llama_cpp(tmp_path):
             assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=False), text
     finally:
         llm.close()
+
+
+def test_sentencepiece_defaults_and_space_prefix(vocabs, tmp_path):
+    """A `llama` vocabulary that leaves add_space_prefix / add_bos out gets llama.cpp's SentencePiece defaults
+    (both on): a space before the text and after every special token."""
+    import gguf
+
+    md = vocabs("gemma3").metadata
+    path = str(tmp_path / "spm_defaults.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for k, val in {"context_length": 64, "embedding_length": 64, "block_count": 1, "feed_forward_length": 64,
+                   "attention.head_count": 2, "attention.head_count_kv": 1, "rope.dimension_count": 32}.items():
+        w.add_uint32(f"llama.{k}", val)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_scores(md["tokenizer.ggml.scores"])
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = Tokenizer.from_metadata({k: v for k, v in md.items()
+                                   if k not in ("tokenizer.ggml.add_space_prefix", "tokenizer.ggml.add_bos_token")})
+    assert tok.add_space_prefix and tok.add_bos
+    llm = llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    try:
+        for text in ["Hello world", " two", "<start_of_turn>user\nhi<end_of_turn>", "\n\nx", "", "a<bos>b"]:
+            for parse_special in (False, True):
+                for add_special in (False, True):
+                    assert tok.encode(text, add_special, parse_special) == \
+                        llm.tokenize(text.encode(), add_bos=add_special, special=parse_special), text
+    finally:
+        llm.close()
