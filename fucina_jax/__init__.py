@@ -1,4 +1,7 @@
-"""fucina_jax: Qwen3 and Gemma GGUF models on the CPU in JAX, with lossless draft-model-free speculative decoding."""
+"""fucina_jax: Qwen3 and Gemma GGUF models on the CPU in JAX, with lossless draft-model-free speculative decoding.
+
+`load` and `Model` are imported lazily, so `import fucina_jax.index` (NumPy/C only) never imports JAX.
+"""
 
 from fucina_jax.errors import (
     ContextFullError,
@@ -11,7 +14,6 @@ from fucina_jax.errors import (
     UnsupportedArchitectureError,
     UnsupportedTensorTypeError,
 )
-from fucina_jax.model import Model, load
 
 __all__ = [
     "load",
@@ -26,3 +28,11 @@ __all__ = [
     "UnsupportedTensorTypeError",
     "ContextFullError",
 ]
+
+
+def __getattr__(name):
+    if name in ("load", "Model"):
+        from fucina_jax import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'fucina_jax' has no attribute {name!r}")

@@ -84,3 +84,19 @@ def verify_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     TRACE_COUNTS["verify", tokens.shape] += 1
     h, cache = forward_hidden(params, tokens, _positions(cache, tokens.shape[1]), cache, cfg)
     return unembed(params, h, cfg), cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "cap"), donate_argnames=("cache",))
+def decode_sample_step(params, tokens: jax.Array, cache: KVCache, history, sparams, cfg: ModelConfig, cap: int):
+    """decode_step fused with the sampler: append tokens [1] and pick the next token.
+
+    The picked token's absolute stream position is the cache length after the append: the counter its random
+    draw is keyed on (sampling.position_uniform). Returns (token int32 [1], cache, history with the token pushed).
+    """
+    from fucina_jax import sampling
+
+    TRACE_COUNTS["decode_sample", tokens.shape, cap] += 1
+    h, cache = forward_hidden(params, tokens[:, None], _positions(cache, 1), cache, cfg)
+    logits = unembed(params, h[:, 0], cfg)
+    tok = sampling.sample_rows(logits, cache.length, history, None, sparams, cap=cap)
+    return tok, cache, sampling.push_history(history, tok, jnp.int32(1))

@@ -1,0 +1,178 @@
+"""Plain decoding (the host loop): prefill the prompt, then one fused decode+sample step per token.
+
+This loop is the reference the speculative decoder is proven against: it commits one token per forward and draws
+the token at stream position p from uniform(seed, p) through the full sampler pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from fucina_jax import engine, sampling
+from fucina_jax.errors import ContextFullError
+from fucina_jax.sampling import SamplerConfig
+
+__all__ = ["GenerationResult", "Generation", "generate", "Timer"]
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    tokens: list[int]  # committed generated ids (an end-of-generation token that stopped the run is not included)
+    text: str
+    stop_reason: str  # "eog" | "max_tokens" | "context"
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    compile_seconds: float = 0.0  # wall time of calls that traced/compiled a new shape (included in the above)
+    seed: int | None = None
+    spec: dict | None = None  # speculation statistics, when speculation ran
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def n_gen(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prompt_tps(self) -> float:
+        t = self.prompt_seconds - self._compile_in("prompt")
+        return self.n_prompt / t if t > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        t = self.decode_seconds - self._compile_in("decode")
+        return self.n_gen / t if t > 0 else 0.0
+
+    _compile_split: dict = field(default_factory=dict, repr=False)
+
+    def _compile_in(self, phase: str) -> float:
+        return self._compile_split.get(phase, 0.0)
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        d.update(n_prompt=self.n_prompt, n_gen=self.n_gen, prompt_tps=self.prompt_tps, decode_tps=self.decode_tps)
+        return d
+
+
+class Timer:
+    """Wall time per phase, with the calls that compiled something (engine.TRACE_COUNTS moved) counted apart."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.compile: dict[str, float] = {}
+
+    def run(self, phase: str, fn: Callable, *args, **kw):
+        before = sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values())
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        out = _block(out)
+        dt = time.perf_counter() - t0
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + dt
+        if sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values()) != before:
+            self.compile[phase] = self.compile.get(phase, 0.0) + dt
+        return out
+
+
+def _block(out):
+    import jax
+
+    return jax.block_until_ready(out)
+
+
+class Generation:
+    """An iterator over committed token ids; `.result` holds the GenerationResult once it is exhausted."""
+
+    def __init__(self, it: Iterator[int]):
+        self._it = it
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        return next(self._it)
+
+    def run(self) -> GenerationResult:
+        """Consume the rest and return the result."""
+        for _ in self:
+            pass
+        return self.result
+
+
+def generate(
+    model,
+    prompt_ids: Iterable[int],
+    *,
+    max_tokens: int = 128,
+    sampler: SamplerConfig | None = None,
+    ctx: int | None = None,
+    stop_ids: Iterable[int] | None = None,
+) -> Generation:
+    """Plain decoding of up to max_tokens tokens after prompt_ids (which must include any BOS)."""
+    prompt = [int(t) for t in prompt_ids]
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens = {max_tokens} is invalid: it must be >= 0")
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token (e.g. BOS) is needed to start generating")
+    cfg = (sampler or SamplerConfig()).validate()
+    ctx = ctx or model.default_ctx
+    if len(prompt) >= ctx:
+        raise ContextFullError(
+            f"the prompt has {len(prompt)} tokens but the context holds {ctx}: use a larger --ctx (max "
+            f"{model.config.context_length}) or a shorter prompt"
+        )
+    stops = set(model.tokenizer.eog_ids if stop_ids is None else stop_ids)
+    gen = Generation(iter(()))
+    gen._it = _plain_loop(model, prompt, max_tokens, cfg, ctx, stops, gen)
+    return gen
+
+
+def _plain_loop(model, prompt, max_tokens, cfg: SamplerConfig, ctx, stops, gen: Generation):
+    timer = Timer()
+    cap = cfg.candidate_cap(model.config.n_vocab)
+    history = sampling.history_from_tokens(prompt, cfg.history_capacity(ctx))
+    sparams = cfg.params()
+    cache = model.new_cache(ctx)
+    tokens: list[int] = []
+    stop = "max_tokens"
+    if max_tokens > 0:
+        logits, cache = timer.run("prompt", model.prefill, prompt, cache)
+        tok = timer.run(
+            "decode", sampling.sample_rows, logits[None], jnp.asarray([len(prompt)], jnp.int32), history, None,
+            sparams, cap=cap,
+        )
+        history = sampling.push_history(history, tok, jnp.int32(1))
+        while True:
+            t = int(tok[0])
+            if t in stops:
+                stop = "eog"
+                break
+            tokens.append(t)
+            yield t
+            if len(tokens) >= max_tokens:
+                break
+            if len(prompt) + len(tokens) >= ctx:
+                stop = "context"
+                break
+            tok, cache, history = timer.run(
+                "decode", engine.decode_sample_step, model.params, tok, cache, history, sparams, model.config, cap
+            )
+    result = GenerationResult(
+        prompt_ids=prompt,
+        tokens=tokens,
+        text=model.tokenizer.decode(tokens),
+        stop_reason=stop,
+        prompt_seconds=timer.seconds.get("prompt", 0.0),
+        decode_seconds=timer.seconds.get("decode", 0.0),
+        compile_seconds=sum(timer.compile.values()),
+        seed=cfg.seed,
+    )
+    result._compile_split = dict(timer.compile)
+    gen.result = result
