@@ -530,3 +530,41 @@ def test_sentencepiece_defaults_and_space_prefix(vocabs, tmp_path):
                         llm.tokenize(text.encode(), add_bos=add_special, special=parse_special), text
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "gpt-2", "default", "dbrx", "qwen2"])
+def test_other_pre_tokenizers_like_llama_cpp(vocabs, tmp_path, corpus, pre):
+    """SmolLM2's byte-level vocabulary under other pre-tokenizer names (llama-bpe also ignores merges for whole-word
+    tokens and defaults to adding BOS)."""
+    import gguf
+
+    md = vocabs("smollm2").metadata
+    path = str(tmp_path / f"pre_{pre}.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for k, val in {"context_length": 64, "embedding_length": 64, "block_count": 1, "feed_forward_length": 64,
+                   "attention.head_count": 2, "attention.head_count_kv": 1, "rope.dimension_count": 32}.items():
+        w.add_uint32(f"llama.{k}", val)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_token_merges(md["tokenizer.ggml.merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = Tokenizer.from_metadata({**{k: v for k, v in md.items() if k != "tokenizer.ggml.add_bos_token"},
+                                   "tokenizer.ggml.pre": pre})
+    llm = llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    try:
+        assert tok.add_bos == llama_cpp.llama_vocab_get_add_bos(llm._model.vocab) == (pre == "llama-bpe")
+        for _, text in corpus:
+            for parse_special in (False, True):
+                ours = tok.encode(text, True, parse_special)
+                ref = llm.tokenize(text.encode(), add_bos=True, special=parse_special)
+                assert ours == ref, (pre, text[:60], first_difference(ours, ref))
+    finally:
+        llm.close()
