@@ -637,7 +637,7 @@ class Tokenizer:
             self.pre = pre_name
             self._kind, self.ignore_merges, self.add_bos = _PRE_TYPES[pre_name]
             self.add_space_prefix = False
-            ids = {"bos": 11, "eos": 11}
+            ids = {"bos": 11, "eos": 11}  # llama.cpp's BPE defaults (GPT-2 style files always override them)
         self.add_space_prefix = bool(_get(md, "tokenizer.ggml.add_space_prefix", bool, self.add_space_prefix))
 
         # --- tokens, scores, types ---
@@ -662,19 +662,18 @@ class Tokenizer:
         self._token_to_id = token_to_id
         if types is not None:
             attrs = [int(_TYPE_TO_ATTR.get(t, TokenAttr.UNDEFINED)) for t in types[:n]]
-            self._types = [int(t) for t in types[:n]]
+            self._types = tuple(int(t) for t in types[:n])
         else:
             attrs = [int(TokenAttr.NORMAL)] * n
-            self._types = [int(TokenType.NORMAL)] * n
+            self._types = (int(TokenType.NORMAL),) * n
 
         # --- special ids: family defaults, then metadata ---
         special = {k: None for k in _ID_KEYS}
         for k, v in ids.items():
             special[k] = v if v < n else None
-        for k, key in _ID_KEYS.items():
+        # llama.cpp reads the deprecated FIM keys after the current ones, so they win when both are present
+        for k, key in [*_ID_KEYS.items(), *_DEPRECATED_ID_KEYS.items()]:
             v = md.get(key)
-            if v is None and k in _DEPRECATED_ID_KEYS:
-                v = md.get(_DEPRECATED_ID_KEYS[k])
             if v is None:
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
@@ -745,6 +744,7 @@ class Tokenizer:
 
         # --- the merge engine ---
         self._bpe = None
+        self.bpe_engine: str | None = None  # "hf" or "python" for BPE vocabularies
         self._spm_bigrams: np.ndarray | None = None
         self._spm_memo: dict[str, tuple[int, ...]] = {}
         if self._kind != "spm":
@@ -754,7 +754,6 @@ class Tokenizer:
                                      "convert the model again")
             if not isinstance(merges_raw, list) or not all(isinstance(m, str) for m in merges_raw):
                 raise TokenizerError("tokenizer.ggml.merges must be a list of strings; the GGUF is malformed")
-            self._merges_raw = merges_raw
             self._bpe = self._build_bpe(merges_raw)
         self._pieces: list[bytes] | None = None
         self._pieces_plain: list[bytes] | None = None
@@ -772,7 +771,7 @@ class Tokenizer:
 
         return cls(read_metadata(path))
 
-    def _build_bpe(self, merges_raw: list[str], force_python: bool = False):
+    def _build_bpe(self, merges_raw: list[str]):
         ranks: dict[tuple[str, str], int] = {}
         for rank, m in enumerate(merges_raw):
             pos = m.find(" ", 1)  # llama.cpp splits at the first space after the first character
@@ -801,10 +800,9 @@ class Tokenizer:
                 return out
         self._bpe_py = _PyBPE(ranks, vocab, fallback, self.ignore_merges)
         self.bpe_engine = "python"
-        if force_python:
-            return self._bpe_py
         # HF's BPE holds the same table only if every merge's parts and result are tokens (llama.cpp tolerates
-        # others) and every initial character is a token or, for gemma4, has all its <0xXX> byte tokens.
+        # others) and, for gemma4, all 256 <0xXX> tokens exist (HF would emit its unk token where llama.cpp skips
+        # a missing byte).
         ordered = sorted(ranks.items(), key=lambda kv: kv[1])
         if any(a not in vocab or b not in vocab or a + b not in vocab for (a, b), _ in ordered):
             return self._bpe_py
@@ -834,6 +832,8 @@ class Tokenizer:
 
     @property
     def eot_id(self) -> int | None:
+        """The metadata's end-of-turn id, else a turn-end token found by its text (when a vocabulary has several,
+        llama.cpp's pick depends on hash order; every one of them is in `eog_ids` either way)."""
         return self._special["eot"]
 
     @property
@@ -855,7 +855,7 @@ class Tokenizer:
     @property
     def token_types(self) -> tuple[int, ...]:
         """`tokenizer.ggml.token_type` per id (all NORMAL when the file has none)."""
-        return tuple(self._types)
+        return self._types
 
     def token_attr(self, token_id: int) -> int:
         """llama.cpp's attribute bits (`TokenAttr`) of a token, after its text-based adjustments."""
@@ -1142,7 +1142,7 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (f"Tokenizer(model={self.model!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, bos={self.bos_id}, "
-                f"eos={self.eos_id}, add_bos={self.add_bos}, engine={getattr(self, 'bpe_engine', 'spm')!r})")
+                f"eos={self.eos_id}, add_bos={self.add_bos}, bpe_engine={self.bpe_engine!r})")
 
 
 class StreamDecoder:

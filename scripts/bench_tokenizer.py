@@ -108,7 +108,8 @@ def main(argv=None) -> None:
                 print(f"{name:8} {wname:9} {len(data) / 1e6:5.2f} {len(ours):8d} {cold:11.2f}s {warm:6.2f}s "
                       f"{ll:9.2f}s {cold / ll:9.2f}x {str(ours == ref):>8}")
             llm.close()
-            print(f"{name:8} (metadata read + tokenizer build: {t_load:.1f}s, engine {getattr(tok, 'bpe_engine', 'spm')})")
+            engine = tok.bpe_engine or "sentencepiece"
+            print(f"{name:8} (metadata read + tokenizer build: {t_load:.1f}s, engine {engine})")
 
 
 if __name__ == "__main__":
