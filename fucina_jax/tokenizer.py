@@ -10,8 +10,8 @@ Three vocabulary kinds:
 
 * `gpt2` - byte-level BPE. Pre-tokenizers `qwen2` (Qwen3), `smollm` (SmolLM2), `llama-bpe`, `gpt-2`, `default` and
   their llama.cpp aliases. The regex split is done here with Python `re` over character classes built from the same
-  Unicode 15.1 categories llama.cpp uses (HF's onig regexes follow a different Unicode version, and this way lone
-  surrogates from invalid input are handled like llama.cpp does); the BPE merges run in HF `tokenizers`.
+  Unicode 15.1 categories llama.cpp uses (HF's regex engine has its own Unicode tables, and this way the surrogates
+  llama.cpp decodes from invalid input are handled too); the BPE merges run in HF `tokenizers`.
 * `llama` - SentencePiece (Gemma 3): highest-score-bigram merging over the vocabulary with `<0xXX>` byte fallback.
   Written by hand: HF `tokenizers` has no score-ordered bigram merge (its BPE needs a merge table, which would differ
   from llama.cpp on ties and on merges into control/user-defined pieces).
@@ -20,7 +20,8 @@ Three vocabulary kinds:
   newline-run rule of llama.cpp PR #21343 is applied here before.
 
 A pure-Python BPE (llama.cpp's merge loop) stands in for HF whenever the merge table cannot be given to HF exactly
-(a merge whose parts or result are not in the vocabulary, an incomplete byte alphabet); the tests check both paths.
+(a merge whose parts or result are not tokens, a gemma4 vocabulary without all 256 `<0xXX>` tokens); the tests
+check that both engines agree.
 
 Special tokens are split out first, the way llama.cpp does it (longest special text first, over the whole text; with
 `parse_special=False` only user-defined tokens), then each remaining fragment is tokenized on its own.
@@ -30,8 +31,10 @@ Invalid UTF-8 input (`encode_bytes`): `errors="strict"` (default) raises `Tokeni
 decoder), SentencePiece ones emit the raw bytes as `<0xXX>` tokens. Empty input gives just the BOS/EOS that
 `add_special` asks for.
 
-Decoding concatenates llama.cpp's token pieces (`llama_token_to_piece`); it does not apply llama.cpp's
-`clean_spaces` detokenizer pass, so decode(encode(x)) == x for every vocabulary here.
+Decoding concatenates llama.cpp's token pieces (`llama_token_to_piece`) without llama.cpp's `clean_spaces`
+detokenizer pass, so decode(encode(x)) == x except where the vocabulary itself is lossy: a literal U+2581 comes back
+as a space from SentencePiece-style vocabularies, and a byte-level vocabulary drops bytes missing from its alphabet
+(SmolLM2 has no token for 21 bytes, e.g. 0x00), as llama.cpp does.
 """
 
 from __future__ import annotations
