@@ -1,0 +1,218 @@
+"""Command line: `python scripts/generate.py [MODEL.gguf] --prompt ...` (scripts/generate.py only calls main()).
+
+Text streams to stdout as tokens are committed; statistics go to stderr; `--json` prints one JSON object on stdout at
+the end instead of the streamed text. Bad input exits non-zero with one `error: ...` line and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from fucina_jax.errors import FucinaError
+
+__all__ = ["main", "build_parser"]
+
+DEFAULT_GEN = 128
+DEFAULT_SAMPLER = dict(
+    temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64,
+    frequency_penalty=0.0, presence_penalty=0.0,
+)
+
+
+class CLIError(Exception):
+    """A bad command line: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line instead of usage + message
+        raise CLIError(message)
+
+
+def _nonneg_int(name):
+    def conv(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
+        return v
+
+    return conv
+
+
+def _prob(name):
+    def conv(s):
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
+        if not 0.0 <= v <= 1.0:
+            raise argparse.ArgumentTypeError(f"{name} must be in [0, 1], got {v}")
+        return v
+
+    return conv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="generate.py",
+        description="Generate text with a GGUF model (default: the embedded Gemma 3 270M) in JAX on the CPU.",
+    )
+    p.add_argument("model", nargs="?", default=None,
+                   help="path of a .gguf model file (default: the embedded Gemma 3 270M Q4_K_M)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", "-p", default=None, help="prompt text; '-' reads it from stdin")
+    src.add_argument("--prompt-file", "-f", default=None, help="read the prompt from this file ('-' = stdin)")
+    src.add_argument("--tokenize", default=None, metavar="FILE",
+                     help="print the token ids of FILE ('-' = stdin), one per line, and exit; loads no weights")
+    p.add_argument("--gen", "-n", type=_nonneg_int("--gen"), default=DEFAULT_GEN,
+                   help=f"number of tokens to generate (default {DEFAULT_GEN})")
+    p.add_argument("--ctx", "-c", type=_nonneg_int("--ctx"), default=0,
+                   help="context size in tokens (default: min(4096, the model's trained context))")
+    s = p.add_argument_group("sampling (llama.cpp semantics and defaults)")
+    s.add_argument("--temperature", "--temp", type=float, default=DEFAULT_SAMPLER["temperature"],
+                   help="temperature; <= 0 is greedy argmax (default 0.8)")
+    s.add_argument("--top-k", type=_nonneg_int("--top-k"), default=DEFAULT_SAMPLER["top_k"],
+                   help="keep the k most likely tokens; 0 = off (default 40)")
+    s.add_argument("--top-p", type=_prob("--top-p"), default=DEFAULT_SAMPLER["top_p"],
+                   help="nucleus sampling threshold in [0, 1]; 1 = off (default 0.95)")
+    s.add_argument("--min-p", type=_prob("--min-p"), default=DEFAULT_SAMPLER["min_p"],
+                   help="drop tokens below min_p * p(max) in [0, 1]; 0 = off (default 0.05)")
+    s.add_argument("--repeat-penalty", type=float, default=DEFAULT_SAMPLER["repeat_penalty"],
+                   help="penalise repeats of the last --repeat-last-n tokens; 1 = off (default 1.0)")
+    s.add_argument("--repeat-last-n", type=int, default=DEFAULT_SAMPLER["repeat_last_n"],
+                   help="penalty window; 0 = off, -1 = the whole context (default 64)")
+    s.add_argument("--frequency-penalty", type=float, default=DEFAULT_SAMPLER["frequency_penalty"],
+                   help="subtract count * value from repeated tokens' logits; 0 = off (default 0)")
+    s.add_argument("--presence-penalty", type=float, default=DEFAULT_SAMPLER["presence_penalty"],
+                   help="subtract value from logits of tokens present in the window; 0 = off (default 0)")
+    s.add_argument("--seed", type=int, default=None, help="random seed (default: a random one, printed in --json)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true",
+                   help="print one JSON object with ids, text and statistics on stdout at the end (no streaming)")
+    o.add_argument("--quiet", "-q", action="store_true", help="no progress or statistics on stderr")
+    return p
+
+
+def _read_text(path: str) -> str:
+    if path == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CLIError(f"file not found: {path}") from None
+        except IsADirectoryError:
+            raise CLIError(f"{path} is a directory, not a file") from None
+        except PermissionError:
+            raise CLIError(f"cannot read {path}: permission denied") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path} is not valid UTF-8 text (byte {e.start}): convert it to UTF-8") from None
+
+
+def _model_path(args) -> str:
+    if args.model is None:
+        from fucina_jax.model import default_model_path
+
+        return default_model_path()
+    if not os.path.exists(args.model):
+        raise CLIError(f"model file not found: {args.model}")
+    return args.model
+
+
+def _sampler(args):
+    from fucina_jax.sampling import SamplerConfig
+
+    return SamplerConfig(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
+    ).validate()
+
+
+def _log(args, msg: str) -> None:
+    if not args.quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    if args.tokenize is not None:
+        from fucina_jax.tokenizer import tokenize_to_lines
+
+        path = _model_path(args)
+        if args.tokenize != "-" and not os.path.exists(args.tokenize):
+            raise CLIError(f"file not found: {args.tokenize}")
+        tokenize_to_lines(path, args.tokenize)
+        return 0
+
+    if args.prompt_file is not None:
+        prompt = _read_text(args.prompt_file)
+    elif args.prompt == "-":
+        prompt = _read_text("-")
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        prompt = ""
+    sampler = _sampler(args)  # validate flags before the slow load
+    path = _model_path(args)
+
+    import fucina_jax
+    from fucina_jax.generate import generate
+
+    t0 = time.perf_counter()
+    model = fucina_jax.load(path, progress=not args.quiet)
+    _log(args, f"loaded {os.path.basename(path)} ({model.config.arch}, {model.config.n_layers} layers) "
+               f"in {time.perf_counter() - t0:.1f} s; the first steps compile (a few seconds)")
+    ctx = args.ctx or model.default_ctx
+    if ctx > model.config.context_length:
+        raise CLIError(f"--ctx {ctx} exceeds the model's trained context of {model.config.context_length}")
+    ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True)
+    if not ids:
+        raise CLIError("the prompt is empty and the model adds no BOS token: give --prompt")
+    gen = generate(model, ids, max_tokens=args.gen, sampler=sampler, ctx=ctx)
+    stream = model.tokenizer.stream_decoder()
+    out = sys.stdout
+    for tok in gen:
+        if not args.json:
+            piece = stream.feed(tok)
+            if piece:
+                out.write(piece)
+                out.flush()
+    result = gen.result
+    if not args.json:
+        out.write(stream.flush() + "\n")
+        out.flush()
+    if result.stop_reason == "context":
+        _log(args, f"stopped: the context of {ctx} tokens is full (use a larger --ctx)")
+    _log(args, f"prompt: {result.n_prompt} tokens, {result.prompt_tps:.1f} tok/s | "
+               f"decode: {result.n_gen} tokens, {result.decode_tps:.1f} tok/s | "
+               f"compile: {result.compile_seconds:.1f} s | stop: {result.stop_reason}")
+    if args.json:
+        d = result.to_json()
+        d.update(model=path, load_seconds=getattr(model, "load_seconds", None))
+        json.dump(d, out)
+        out.write("\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return run(args)
+    except CLIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (FucinaError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
