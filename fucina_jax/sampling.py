@@ -30,7 +30,8 @@ stream differs from llama.cpp's mt19937 for the same seed; only greedy output is
 
 Penalty history is a fixed-capacity window (`History`), so a growing history never changes a traced shape. For a
 verify over R rows, row i is penalised with history + drafts[:i]: accepted drafts enter the history before the next
-row is sampled (design record §2, obligation 3), all rows in one batched computation.
+row is sampled (design record §2, obligation 3), all rows in one jitted call. Rows run one at a time through the
+same per-row program (lax.map): a row's token cannot depend on its batch, and temporaries stay [V]-sized.
 
 Everything a call varies (temperature, top-p, seed, history contents, positions) enters jit as arrays
 (`SamplerParams`, `History`); only the candidate bucket `cap` is static.
@@ -301,7 +302,8 @@ def penalize(logits: jax.Array, tokens: jax.Array, mask: jax.Array, params: Samp
 
 def _cumsum_split(x: jax.Array, split: int) -> jax.Array:
     """cumsum along the last axis whose first `split` entries are computed exactly as for an array of width `split`:
-    the fast (top-`split`) and the full-sort paths then agree bitwise on every row the fast path can decide."""
+    the fast (top-`split`) and the full-sort paths then agree bitwise on every row the fast path can decide, so the
+    token never depends on `cap`."""
     if x.shape[-1] <= split:
         return jnp.cumsum(x, axis=-1)
     head = jnp.cumsum(x[:, :split], axis=-1)
@@ -354,9 +356,9 @@ def _survivors(logits, vals, params: SamplerParams, split: int):
 
 
 def _select(logits, params: SamplerParams, cap: int, finish):
-    """Sort the top `cap` candidates, find the survivors and hand (vals, ids, n_keep) to `finish`, whose result
-    must not depend on the candidate width. Rows the top `cap` cannot decide (top-k off and more than `cap`
-    survivors) are redone with a full sort: exact always, fast when filters leave <= cap tokens."""
+    """Sort the top `cap` candidates of one row (logits [1, V]), find the survivors and hand (vals, ids, n_keep) to
+    `finish`, whose result must not depend on the candidate width. A row the top `cap` cannot decide (top-k off and
+    more than `cap` survivors) is redone with a full sort: exact always, fast when filters leave <= cap tokens."""
     V = logits.shape[-1]
     split = min(cap, V)
     # TopK orders -0.0 below +0.0 (a total order on the bits); they are equal logits, so make them one value
@@ -381,16 +383,6 @@ def _select(logits, params: SamplerParams, cap: int, finish):
     return jax.lax.cond(jnp.all(exact), lambda: finish(vals, ids, n, split), full)
 
 
-@partial(jax.jit, static_argnames=("cap",))
-def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
-    """The survivors of penalties -> top-k -> top-p -> min-p for each row of logits [R, V], bool [R, V]."""
-    def finish(vals, ids, n, split):
-        live = jnp.arange(vals.shape[-1])[None, :] < n[:, None]
-        return jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], ids].set(live)
-
-    return _select(_penalised(logits, history, drafts, params), params, cap, finish)
-
-
 def position_uniform(seed: jax.Array, positions: jax.Array) -> jax.Array:
     """The uniform in [0, 1) that picks the token committed at each absolute position: a pure function of
     (seed, position), float32 [R]."""
@@ -409,10 +401,36 @@ def _weights(vals, n, temperature):
     return jnp.where(temperature > 0.0, e, (j == 0).astype(jnp.float32))
 
 
-def _penalised(logits, history, drafts, params):
-    logits = logits.astype(jnp.float32)
+def _by_row(fn, logits, history, drafts, params, *extra):
+    """fn(penalised [1, V], *extra rows [1, ...]) applied one row at a time (lax.map).
+
+    Every row runs the same per-row program, whatever R is, so a row's result cannot depend on its batch; and the
+    temporaries are [V]-sized instead of [R, V]: at R = 8, V = 262k the batched form needed 64 MiB of temporaries,
+    which glibc serves with fresh mmap pages on every call (page faults cost more than the sampling itself).
+    """
     tokens, mask = row_windows(history, drafts, params.repeat_last_n, logits.shape[0])
-    return penalize(logits, tokens, mask, params)
+
+    def one(row):
+        l, t, m, *ex = (x[None] for x in row)
+        out = fn(penalize(l.astype(jnp.float32), t, m, params), *ex)
+        return out[0]
+
+    return jax.lax.map(one, (logits, tokens, mask, *extra))
+
+
+@partial(jax.jit, static_argnames=("cap",))
+def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
+    """The survivors of penalties -> top-k -> top-p -> min-p for each row of logits [R, V], bool [R, V]."""
+    V = logits.shape[-1]
+
+    def row(penalised):
+        def finish(vals, ids, n, split):
+            live = jnp.arange(vals.shape[-1])[None, :] < n[:, None]
+            return jnp.zeros((1, V), bool).at[0, ids[0]].set(live[0])
+
+        return _select(penalised, params, cap, finish)
+
+    return _by_row(row, logits, history, drafts, params)
 
 
 @partial(jax.jit, static_argnames=("cap",))
@@ -429,26 +447,27 @@ def sample_rows(
     history + drafts[:i] (drafts int32 [R]: drafts[i] is the proposal row i is checked against, so the last entry
     is never read; None = every row sees only `history`). `cap` = SamplerConfig.candidate_cap. Returns int32 [R]."""
     TRACE_COUNTS["sample_rows", logits.shape, history.tokens.shape, None if drafts is None else drafts.shape, cap] += 1
-    u = position_uniform(params.seed, positions)
-    penalised = _penalised(logits, history, drafts, params)
 
-    def finish(vals, ids, n, split):
-        # Inverse CDF in descending order, as llama.cpp's dist walks its (sorted) list: first entry whose
-        # cumulative weight reaches u * total.
-        cdf = _cumsum_split(_weights(vals, n, params.temperature), split)
-        target = u * cdf[:, -1]
-        pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
-        return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+    def row(penalised, u):
+        def finish(vals, ids, n, split):
+            # Inverse CDF in descending order, as llama.cpp's dist walks its (sorted) list: first entry whose
+            # cumulative weight reaches u * total.
+            cdf = _cumsum_split(_weights(vals, n, params.temperature), split)
+            target = u * cdf[:, -1]
+            pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
+            return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
 
-    # Greedy needs no sort: the filters always keep the maximum; take the first (lowest id) of equal maxima, the
-    # token the pipeline's greedy branch picks. max + min-index is ~4x faster than XLA's CPU argmax.
-    def greedy():
-        V = penalised.shape[-1]
-        is_max = penalised == jnp.max(penalised, axis=-1, keepdims=True)
-        first = jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
-        return jnp.minimum(first, V - 1)  # a NaN row has no maximum: any valid id
+        # Greedy needs no sort: the filters always keep the maximum; take the first (lowest id) of equal maxima,
+        # the token the pipeline's greedy branch picks. max + min-index is ~4x faster than XLA's CPU argmax.
+        def greedy():
+            V = penalised.shape[-1]
+            is_max = penalised == jnp.max(penalised, axis=-1, keepdims=True)
+            first = jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+            return jnp.minimum(first, V - 1)  # a NaN row has no maximum: any valid id
 
-    return jax.lax.cond(params.temperature > 0.0, lambda: _select(penalised, params, cap, finish), greedy)
+        return jax.lax.cond(params.temperature > 0.0, lambda: _select(penalised, params, cap, finish), greedy)
+
+    return _by_row(row, logits, history, drafts, params, position_uniform(params.seed, positions))
 
 
 def sample_row(logits: jax.Array, position, history: History, params: SamplerParams, *, cap: int) -> jax.Array:
@@ -460,10 +479,13 @@ def sample_row(logits: jax.Array, position, history: History, params: SamplerPar
 @partial(jax.jit, static_argnames=("cap",))
 def token_probs(logits, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The distribution each row is sampled from, float32 [R, V] (one-hot on the greedy pick for T <= 0)."""
-    R, V = logits.shape
+    V = logits.shape[-1]
 
-    def finish(vals, ids, n, split):
-        e = _weights(vals, n, params.temperature)
-        return jnp.zeros((R, V), jnp.float32).at[jnp.arange(R)[:, None], ids].set(e / jnp.sum(e, -1, keepdims=True))
+    def row(penalised):
+        def finish(vals, ids, n, split):
+            e = _weights(vals, n, params.temperature)
+            return jnp.zeros((1, V), jnp.float32).at[0, ids[0]].set(e[0] / jnp.sum(e))
 
-    return _select(_penalised(logits, history, drafts, params), params, cap, finish)
+        return _select(penalised, params, cap, finish)
+
+    return _by_row(row, logits, history, drafts, params)

@@ -404,8 +404,8 @@ def test_token_depends_only_on_seed_position_row_and_history():
 
 
 def test_full_sort_fallback_does_not_change_other_rows():
-    """One row with more survivors than `cap` sends the whole batch through the full sort; the other rows must
-    still get exactly the tokens the top-`cap` path gives them (no dependence on batch companions)."""
+    """One row with more survivors than `cap` goes through the full sort; the other rows must still get exactly
+    the tokens they get in a batch without it (no dependence on batch companions)."""
     rng = np.random.default_rng(15)
     p = cfg_with(seed=3, temperature=1.0, top_k=0, top_p=0.9, min_p=0.0).params()
     h = empty_history()
@@ -522,3 +522,16 @@ def test_trace_counter_sees_a_new_shape():
     for seed in range(3):
         sample_rows(x, jnp.arange(2), empty_history(16), None, p._replace(seed=jnp.uint32(seed)), cap=4)
     assert sum(TRACE_COUNTS.values()) == before + 1
+
+
+def test_temporaries_do_not_grow_with_rows():
+    """Rows run one at a time: an [R, V] temporary per stage would make glibc mmap fresh pages on every call once
+    a verify batch's temporaries pass 32 MiB (measured: 12 ms instead of 2 ms for 8 greedy rows at V = 262k)."""
+    p = cfg_with(top_k=40).params()
+
+    def temp_bytes(rows):
+        args = (jnp.zeros((rows, 4096), jnp.float32), jnp.arange(rows), empty_history(),
+                jnp.zeros((rows,), jnp.int32), p)
+        return sample_rows.lower(*args, cap=64).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(16) < 2 * temp_bytes(1)
