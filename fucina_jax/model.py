@@ -90,6 +90,32 @@ class Model:
             out.append(np.asarray(logits[0, :n]))
         return np.concatenate(out, axis=0)
 
+    def generate(self, prompt, max_tokens: int = 128, *, sampler=None, ctx: int | None = None, stop_ids=None,
+                 spec: bool = False, references=(), spec_options=None, source=None, **sampler_kw):
+        """Generate after `prompt` (text: encoded with BOS per metadata and special tokens parsed; or token ids).
+
+        Returns a `Generation`: iterate it for committed token ids, then read `.result` (a GenerationResult).
+        Sampling values go in `sampler` (a SamplerConfig) or as keywords (temperature=0, top_k=20, seed=1, ...).
+        `spec=True` decodes speculatively (same stream, see fucina_jax.spec); `references` are documents (text or
+        token ids) the reference source may copy from.
+        """
+        from fucina_jax.sampling import SamplerConfig
+
+        if sampler is None:
+            sampler = SamplerConfig(**sampler_kw)
+        elif sampler_kw:
+            raise TypeError("pass sampling values either as sampler= or as keywords, not both")
+        ids = self.tokenizer.encode(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) else prompt
+        if spec or source is not None or references:
+            from fucina_jax.spec import generate_speculative
+
+            refs = [self.tokenizer.encode(r, add_special=False) if isinstance(r, str) else list(r) for r in references]
+            return generate_speculative(self, ids, max_tokens=max_tokens, sampler=sampler, ctx=ctx, stop_ids=stop_ids,
+                                        source=source, references=refs, options=spec_options)
+        from fucina_jax.generate import generate
+
+        return generate(self, ids, max_tokens=max_tokens, sampler=sampler, ctx=ctx, stop_ids=stop_ids)
+
     def check_ids(self, ids: np.ndarray) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_vocab):
             raise ValueError(f"token ids must be in [0, {self.config.n_vocab}); got {ids.min()}..{ids.max()}")
