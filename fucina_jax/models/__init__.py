@@ -9,7 +9,7 @@ Each architecture module provides:
 from __future__ import annotations
 
 from fucina_jax.errors import UnsupportedArchitectureError
-from fucina_jax.models import gemma3, llama, qwen3, qwen3moe
+from fucina_jax.models import gemma3, gemma4, llama, qwen3, qwen3moe
 from fucina_jax.models.cache import KVCache, init_cache, truncate
 from fucina_jax.models.config import LayerSpec, ModelConfig
 from fucina_jax.models.layers import unembed
@@ -27,7 +27,7 @@ __all__ = [
     "unembed",
 ]
 
-ARCHITECTURES = {m.ARCH: m for m in (qwen3, qwen3moe, gemma3, llama)}
+ARCHITECTURES = {m.ARCH: m for m in (qwen3, qwen3moe, gemma3, gemma4, llama)}
 
 
 def architecture(name: str):

@@ -170,16 +170,20 @@ def layer_inv_freq(spec) -> np.ndarray:
     return rope_inv_freq(spec.n_rot, spec.rope_base, spec.rope_scale, spec.rope_freq_factors)
 
 
-def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_norm: bool, v_norm: bool = False):
+def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_norm: bool, v_norm: bool = False,
+                    inv_freq=None):
     """Self-attention of one layer: projections, (q/k norm), RoPE, cache write, attention, output projection.
 
     x: [B, T, D] (already input-normed); ks/vs: the cache's per-slot arrays, updated in place in the Python list
     (the pytree stays immutable: new arrays replace old ones). Gemma 4 quirks: K=V layers (no attn_v: V is the raw K
     projection, before k-norm and RoPE), the weightless value norm, and shared-KV layers that only read.
+    inv_freq [n_rot/2] overrides the spec's RoPE speeds (Gemma 4 divides them by the rope_freqs tensor, which is a
+    weight of the file, not metadata, so it cannot live in the static LayerSpec).
     """
     B, T, _ = x.shape
     H, K, Dh = cfg.n_heads, spec.n_kv_heads, spec.head_dim
-    inv_freq = layer_inv_freq(spec)
+    if inv_freq is None:
+        inv_freq = layer_inv_freq(spec)
     q = linear(x, p["attn_q"]).reshape(B, T, H, Dh)
     if qk_norm:
         q = rms_norm(q, p["attn_q_norm"], cfg.rms_eps)
