@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import jax.numpy as jnp
-import numpy as np
 
 from fucina_jax import engine, sampling
 from fucina_jax.errors import ContextFullError

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import engine
-from fucina_jax.errors import ContextFullError, FucinaError, GGUFError
+from fucina_jax.errors import ContextFullError, FucinaError
 from fucina_jax.gguf_io import GGUFFile, open_gguf
 from fucina_jax.models import architecture, init_cache, truncate
 from fucina_jax.models.cache import KVCache

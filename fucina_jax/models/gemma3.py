@@ -15,7 +15,7 @@ import math
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
 from fucina_jax.models.layers import attention_block, embed, glu_ffn, rms_norm
-from fucina_jax.models.loading import TensorSpec
+from fucina_jax.models.loading import TensorSpec, output_specs
 
 ARCH = "gemma3"
 SWA_PERIOD = 6
@@ -58,13 +58,8 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool) -> ModelConfi
 
 
 def tensor_table(cfg: ModelConfig):
-    D, V = cfg.d_model, cfg.n_vocab
-    glob = [
-        TensorSpec("token_embd", "token_embd.weight", (V, D)),
-        TensorSpec("output_norm", "output_norm.weight", (D,)),
-    ]
-    if not cfg.tied_output:
-        glob.append(TensorSpec("output", "output.weight", (V, D)))
+    D = cfg.d_model
+    glob = output_specs(cfg)
 
     def layer(l: int) -> list[TensorSpec]:
         s = cfg.layers[l]

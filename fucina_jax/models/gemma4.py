@@ -44,7 +44,7 @@ from fucina_jax.models.layers import (
     rms_norm,
     rope_inv_freq,
 )
-from fucina_jax.models.loading import TensorSpec
+from fucina_jax.models.loading import TensorSpec, output_specs
 
 __all__ = ["ARCH", "config_from_metadata", "tensor_table", "forward_hidden", "kv_donor"]
 
@@ -159,12 +159,7 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool) -> ModelConfi
 
 def tensor_table(cfg: ModelConfig):
     D, V, L, P = cfg.d_model, cfg.n_vocab, cfg.n_layers, cfg.ple_dim
-    glob = [
-        TensorSpec("token_embd", "token_embd.weight", (V, D)),
-        TensorSpec("output_norm", "output_norm.weight", (D,)),
-    ]
-    if not cfg.tied_output:
-        glob.append(TensorSpec("output", "output.weight", (V, D)))
+    glob = output_specs(cfg)
     global_dims = {s.head_dim for s in cfg.layers if not s.sliding}
     if global_dims:
         # one tensor shared by every global layer, half a global head long (llama.cpp: {n_embd_head / 2})

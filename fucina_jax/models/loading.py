@@ -14,7 +14,7 @@ import numpy as np
 from fucina_jax.errors import MissingTensorError, TensorShapeError
 from fucina_jax.gguf_io import GGUFFile
 
-__all__ = ["TensorSpec", "load_params"]
+__all__ = ["TensorSpec", "load_params", "output_specs"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,18 @@ class TensorSpec:
     name: str  # GGUF tensor name; "{l}" is replaced by the layer index
     shape: tuple[int, ...]  # NumPy order (GGUF ne reversed): a {n_in, n_out} matrix is (n_out, n_in)
     optional: bool = False
+
+
+def output_specs(cfg) -> list[TensorSpec]:
+    """The global tensors every supported architecture has: embeddings, final norm, untied output layer if any."""
+    D, V = cfg.d_model, cfg.n_vocab
+    specs = [
+        TensorSpec("token_embd", "token_embd.weight", (V, D)),
+        TensorSpec("output_norm", "output_norm.weight", (D,)),
+    ]
+    if not cfg.tied_output:
+        specs.append(TensorSpec("output", "output.weight", (V, D)))
+    return specs
 
 
 def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str) -> np.ndarray | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
 from fucina_jax.models.layers import attention_block, embed, glu_ffn, moe_ffn, linear, rms_norm
-from fucina_jax.models.loading import TensorSpec
+from fucina_jax.models.loading import TensorSpec, output_specs
 
 ARCH = "qwen3"
 
@@ -44,13 +44,8 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool, arch: str = A
 
 
 def tensor_table(cfg: ModelConfig, qk_norm: bool = True):
-    D, V = cfg.d_model, cfg.n_vocab
-    glob = [
-        TensorSpec("token_embd", "token_embd.weight", (V, D)),
-        TensorSpec("output_norm", "output_norm.weight", (D,)),
-    ]
-    if not cfg.tied_output:
-        glob.append(TensorSpec("output", "output.weight", (V, D)))
+    D = cfg.d_model
+    glob = output_specs(cfg)
 
     def layer(l: int) -> list[TensorSpec]:
         s = cfg.layers[l]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 
 from fucina_jax.models import qwen3
 from fucina_jax.models.config import ModelConfig, meta_get

@@ -10,7 +10,7 @@ argmax that a 1e-3 difference could flip).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
