@@ -215,7 +215,8 @@ def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
 def new_sharded_cache(cfg: ModelConfig, mesh: Mesh, capacity: int, batch: int = 1, dtype=jnp.float32) -> KVCache:
     """An empty cache created directly in its shards (never materialised whole on one device)."""
     shapes = jax.eval_shape(lambda: init_cache(cfg, capacity, batch, dtype))
-    return jax.jit(lambda: init_cache(cfg, capacity, batch, dtype), out_shardings=cache_shardings(shapes, mesh))()
+    return jax.tree_util.tree_map(lambda x, sh: jnp.zeros(x.shape, x.dtype, device=sh),
+                                  shapes, cache_shardings(shapes, mesh))
 
 
 @dataclasses.dataclass
@@ -267,79 +268,68 @@ def load_sharded(path, mesh: Mesh):
 # validate a new host: `python -m fucina_jax.sharding --check MODEL.gguf --devices 8`).
 
 
-def compare_sharded(model, sharded, *, n_ids: int = 40, n_prefill: int = 11, n_decode: int = 8, batch: int = 1,
-                    seed: int = 0) -> dict:
-    """Run the same token ids through `model` (one device) and `sharded`; return the max |logit difference| and
-    argmax agreement of each step kind, and whether the KV cache kept its sharding and was donated at every step.
+def compare_sharded(model, sharded, *, batch: int = 2, n_ids: int = 40, n_prefill: int = 11, n_decode: int = 6,
+                    verify_width: int = 4, seed: int = 0) -> dict:
+    """Run the same token ids through `model` (one device) and `sharded`; return, per step kind, the max |logit
+    difference| and whether every argmax agrees, and whether the KV cache kept its sharding and was donated at every
+    sharded step.
 
-    Steps: the full forward (Model.logits: 16-wide verify chunks), a bucketed prefill + `n_decode` decode steps on
-    `batch` rows (row r's prompt is n_prefill + r tokens, so rows differ in length), and verify rows of width 4 and 16
-    after the prefill."""
+    Step kinds: the full forward (Model.logits: 16-wide verify chunks on a fresh cache); a bucketed prefill of
+    `batch` rows of different lengths (row r: n_prefill + r tokens) followed by `n_decode` decode steps; then one
+    verify of `verify_width` rows per batch row on that same cache."""
     from fucina_jax import engine
 
     cfg = model.config
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, min(cfg.n_vocab, 260), n_ids).astype(np.int32)
     report: dict[str, Any] = {"devices": int(sharded.mesh.size), "mesh": dict(sharded.mesh.shape), "batch": batch}
-    cache_ok = {"sharding_kept": True, "donated": True}
+    cache_ok = {"cache_sharding_kept": True, "cache_donated": True}
 
     def record(name, ref, got):
         ref, got = np.asarray(ref), np.asarray(got)
-        prev = report.get(name, {"max_abs_diff": 0.0, "max_abs_logit": 0.0, "argmax_equal": True, "rows": 0})
         report[name] = {
-            "max_abs_diff": max(prev["max_abs_diff"], float(np.abs(ref - got).max())),
-            "max_abs_logit": max(prev["max_abs_logit"], float(np.abs(ref).max())),
-            "argmax_equal": prev["argmax_equal"] and bool((ref.argmax(-1) == got.argmax(-1)).all()),
-            "rows": prev["rows"] + int(np.prod(ref.shape[:-1])),
+            "max_abs_diff": float(np.abs(ref - got).max()),
+            "max_abs_logit": float(np.abs(ref).max()),
+            "argmax_equal": bool((ref.argmax(-1) == got.argmax(-1)).all()),
+            "rows": int(np.prod(ref.shape[:-1])),
         }
 
     def watch(before: KVCache, after: KVCache):
-        """The step's output cache is laid out as a fresh sharded cache, and the input's K/V buffers were donated."""
+        """The step's output cache is laid out like a fresh sharded cache, and the input's K/V buffers were donated."""
         want = jax.tree_util.tree_leaves(cache_shardings(after, sharded.mesh))
-        for a, w in zip(jax.tree_util.tree_leaves(after), want):
-            cache_ok["sharding_kept"] &= a.sharding.is_equivalent_to(w, a.ndim)
-        cache_ok["donated"] &= all(x.is_deleted() for x in before.k + before.v)
+        for x, w in zip(jax.tree_util.tree_leaves(after), want):
+            cache_ok["cache_sharding_kept"] &= x.sharding.is_equivalent_to(w, x.ndim)
+        cache_ok["cache_donated"] &= all(x.is_deleted() for x in before.k + before.v)
 
     record("full_forward", model.logits(ids), sharded.logits(ids))
 
-    # batched prefill (rows of different lengths) then decode steps
     lens = np.array([n_prefill + r for r in range(batch)], np.int32)
     T = engine.bucket_for(int(lens.max()), engine.PREFILL_BUCKETS)
-    toks = np.zeros((batch, T), np.int32)
-    for r in range(batch):
-        toks[r, : lens[r]] = np.roll(ids, r)[: lens[r]]
-    results = {}
+    prompt = np.stack([np.roll(ids, r)[:T] for r in range(batch)])  # past lens[r]: padding the step ignores
+    steps = np.stack([np.roll(ids, 7 + t)[:batch] for t in range(n_decode)])
+    draft = np.stack([np.roll(ids, 3 + r)[:verify_width] for r in range(batch)])
+    rows, verify = {}, {}
     for name, m in (("ref", model), ("sharded", sharded)):
-        fresh = m.new_cache(64, batch)
-        logits, cache = engine.prefill_step(m.params, jnp.asarray(toks), jnp.asarray(lens), fresh, cfg)
-        rows = [np.asarray(logits)]
-        if m is sharded:
-            watch(fresh, cache)
-        for t in range(n_decode):
-            step_toks = jnp.asarray(np.roll(ids, t)[:batch])
-            before = cache
-            logits, cache = engine.decode_step(m.params, step_toks, cache, cfg)
-            if m is sharded:
-                watch(before, cache)
-            rows.append(np.asarray(logits))
-        results[name] = np.stack(rows)
+        step = watch if m is sharded else (lambda before, after: None)
+        cache = m.new_cache(64, batch)
+        logits, new = engine.prefill_step(m.params, jnp.asarray(prompt), jnp.asarray(lens), cache, cfg)
+        step(cache, new)
+        out = [np.asarray(logits)]
+        for toks in steps:
+            cache = new
+            logits, new = engine.decode_step(m.params, jnp.asarray(toks), cache, cfg)
+            step(cache, new)
+            out.append(np.asarray(logits))
+        rows[name] = np.stack(out)
+        cache = new
+        logits, new = engine.verify_step(m.params, jnp.asarray(draft), cache, cfg)
+        step(cache, new)
+        verify[name] = logits
         if m is sharded:
             report["logits_sharding"] = str(logits.sharding.spec)
-            report["cache_sharding"] = str(cache.k[0].sharding.spec)
-    record("prefill_decode", results["ref"], results["sharded"])
-
-    for k in (4, 16):
-        out = {}
-        for name, m in (("ref", model), ("sharded", sharded)):
-            cache = m.new_cache(64)
-            _, cache = m.prefill(ids[:n_prefill], cache)
-            before = cache
-            logits, cache = engine.verify_step(m.params, jnp.asarray(ids[None, n_prefill: n_prefill + k]), cache,
-                                               cfg)
-            if m is sharded:
-                watch(before, cache)
-            out[name] = logits
-        record("verify", out["ref"], out["sharded"])
+            report["cache_sharding"] = [str(x.sharding.spec) for x in new.k]
+    record("prefill_decode", rows["ref"], rows["sharded"])
+    record("verify", verify["ref"], verify["sharded"])
     report.update(cache_ok)
     return report
 
@@ -352,7 +342,7 @@ def main(argv=None) -> int:
                    help="model to compare; 'fixture:KIND' writes the tiny fixture KIND to a temporary directory")
     p.add_argument("--devices", type=int, default=None, help="devices in the mesh (default: all visible)")
     p.add_argument("--data", type=int, default=1, help="size of the data (batch) mesh axis (default: 1)")
-    p.add_argument("--batch", type=int, default=1, help="rows in the prefill/decode comparison (default: 1)")
+    p.add_argument("--batch", type=int, default=2, help="rows in the prefill/decode/verify comparison (default: 2)")
     args = p.parse_args(argv)
 
     if args.devices and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
