@@ -137,3 +137,18 @@ def test_cli_embedded_model_subprocess_json():
     assert d["tokens"] == [506, 5279, 529, 506, 2891, 529, 7001, 236761]
     assert d["text"].startswith(" the capital of")
     assert "decode:" in r.stderr
+
+
+@pytest.mark.parametrize("which", ["gemma3", "smollm2"])
+def test_cli_tokenize_matches_llamacpp(which, gemma3_path, smollm2_path, llama_ref, tmp_path, capsys):
+    """--tokenize prints llama-tokenize's ids (BOS per metadata, special tokens parsed), one per line."""
+    path = gemma3_path if which == "gemma3" else smollm2_path
+    text = "Hello, world!\n\tdef f(x):\n    return x ** 2  # 3.14159 — ünïcödé 日本語 <start_of_turn> <|im_start|>"
+    f = tmp_path / "text.txt"
+    f.write_text(text, encoding="utf-8")
+    rc, out, err = run_cli([path, "--tokenize", str(f)], capsys)
+    assert rc == 0, err
+    ours = [int(x) for x in out.split()]
+    ref = llama_ref(path, n_ctx=512, f32_cache=False)
+    add_bos = ref.llm.metadata.get("tokenizer.ggml.add_bos_token", "true") == "true"
+    assert ours == ref.llm.tokenize(text.encode(), add_bos=add_bos, special=True)
