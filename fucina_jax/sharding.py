@@ -48,8 +48,10 @@ __all__ = [
     "MESH_RULES",
     "make_mesh",
     "param_axes",
+    "param_specs",
     "param_shardings",
     "shard_params",
+    "cache_specs",
     "cache_shardings",
     "shard_cache",
     "new_sharded_cache",
@@ -176,11 +178,11 @@ def param_axes(key: str, ndim: int) -> tuple[str | None, ...]:
     return axes
 
 
-def param_shardings(params, cfg: ModelConfig, mesh: Mesh):
-    """A NamedSharding for every array of the params pytree (same structure)."""
+def param_specs(params, cfg: ModelConfig, mesh: Mesh):
+    """A PartitionSpec for every array of the params pytree (arrays or anything with .shape; same structure)."""
 
     def one(key, x, spec=None):
-        return NamedSharding(mesh, _partition(param_axes(key, x.ndim), x.shape, mesh, cfg, spec))
+        return _partition(param_axes(key, len(x.shape)), x.shape, mesh, cfg, spec)
 
     out = {k: one(k, v) for k, v in params.items() if k != "layers"}
     out["layers"] = tuple(
@@ -189,23 +191,30 @@ def param_shardings(params, cfg: ModelConfig, mesh: Mesh):
     return out
 
 
+def param_shardings(params, cfg: ModelConfig, mesh: Mesh):
+    """A NamedSharding for every array of the params pytree (same structure)."""
+    return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), param_specs(params, cfg, mesh),
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
     """params (jax or NumPy arrays) placed with their NamedShardings; NumPy arrays go straight to their shards, so a
     model larger than one device never has to fit on one."""
     return jax.device_put(params, param_shardings(params, cfg, mesh))
 
 
-def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
-    """NamedShardings for a cache (or a cache of ShapeDtypeStructs): kv heads on "model", rows on "data"."""
-
-    def kv(x):
-        return NamedSharding(mesh, _partition(CACHE_AXES, x.shape, mesh))
-
+def cache_specs(cache: KVCache, mesh: Mesh) -> KVCache:
+    """PartitionSpecs for a cache (or a cache of ShapeDtypeStructs): kv heads on "model", rows on "data"."""
     return KVCache(
-        k=tuple(kv(x) for x in cache.k),
-        v=tuple(kv(x) for x in cache.v),
-        length=NamedSharding(mesh, _partition(LENGTH_AXES, cache.length.shape, mesh)),
+        k=tuple(_partition(CACHE_AXES, x.shape, mesh) for x in cache.k),
+        v=tuple(_partition(CACHE_AXES, x.shape, mesh) for x in cache.v),
+        length=_partition(LENGTH_AXES, cache.length.shape, mesh),
     )
+
+
+def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+    return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), cache_specs(cache, mesh),
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
