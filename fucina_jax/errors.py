@@ -55,3 +55,27 @@ class IndexPoisonedError(FucinaError):
 
 class ChatTemplateError(FucinaError):
     """A chat template failed to render (syntax error, or the template rejected the conversation)."""
+
+
+class SpecOptionsError(FucinaError, ValueError):
+    """A speculative-decoding option (fucina_jax.spec.SpecOptions) is out of range or degenerate."""
+
+
+class RateWindowTooSmall(SpecOptionsError):
+    """The cost gate's rolling window holds fewer than 2 verify steps (one verify is too noisy to act on)."""
+
+
+class ProbeStepsZero(SpecOptionsError):
+    """The cost gate's re-probe would run zero verify steps."""
+
+
+class CostTableEmpty(SpecOptionsError):
+    """The cost gate has no verify-cost table entries to price a verify with."""
+
+
+class ReprobeAfterZero(SpecOptionsError):
+    """The cost gate would re-probe after zero disabled steps (use enabled=False to turn speculation off)."""
+
+
+class DraftSourceError(FucinaError):
+    """A draft source broke the DraftSource contract (a draft length or token id out of range)."""

@@ -1,0 +1,25 @@
+"""Lossless draft-model-free speculative decoding: the decoder, its cost gate and its fused verify step.
+
+Drafts come from any `fucina_jax.index.DraftSource` (the package's own is the `SpeculationIndex` cascade); the
+decoder verifies them with one batched forward and commits exactly the stream plain decoding commits (design record
+sections 1-4). `generate_speculative` is `fucina_jax.generate.generate` with speculation.
+"""
+
+from fucina_jax.spec.decoder import SpecStats, SpeculativeDecoder, VerifyRowHook, generate_speculative
+from fucina_jax.spec.gate import DEFAULT_COST_TABLE, MAX_DRAFT, CostGate, CostPoint, SpecOptions, table_cost
+from fucina_jax.spec.steps import TOPK_FEEDBACK, verify_sample_step
+
+__all__ = [
+    "generate_speculative",
+    "SpeculativeDecoder",
+    "SpecOptions",
+    "SpecStats",
+    "VerifyRowHook",
+    "CostGate",
+    "CostPoint",
+    "DEFAULT_COST_TABLE",
+    "MAX_DRAFT",
+    "table_cost",
+    "TOPK_FEEDBACK",
+    "verify_sample_step",
+]

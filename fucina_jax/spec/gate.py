@@ -1,0 +1,275 @@
+"""The cost gate: decides WHEN speculation runs (never what is committed), from measured verify economics.
+
+Design record section 4. A verify over a draft costs C(k) plain decode steps and commits 1 + accepted tokens, so
+over a rolling window of verify steps
+
+    est_speedup = committed tokens / verify cost in plain-step equivalents
+
+Fallback (plain) steps cost exactly a plain step and never enter the window: only verifies can lose time.
+
+Verify cost is hybrid: a static measured table (the curve's shape) times a live multiplier learned from measured
+verify/plain time ratios when the decoder has a clock, an exponentially weighted moving average (alpha 0.2)
+clamped to [0.25, 4]. One noisy sample moves the estimate by at most 20% of its clamped deviation, so a scheduler
+stall cannot flip the gate, while a machine whose economics differ from the table is learned within a few verifies.
+A verify is never cheaper than the plain step it replaces (cost >= 1). Without a clock the table applies as is.
+
+Policy (SpecOptions): speculate while est_speedup >= 1.0; once off, wait `reprobe_after` (128) plain steps, then
+probe with `probe_steps` (4) verifies; the probe re-enables only at >= 1.0 + 0.1 (hysteresis), a failed probe
+doubles the wait up to `reprobe_max` (1024), a passed one restarts it at the base. The window is evaluated per
+verify once it holds >= 8 drafted tokens and >= 2 verifies (one verify is too noisy to act on). The draft budget
+follows the window's acceptance: max(min_draft, 2 + ceil(acceptance * max_draft)), capped at max_draft.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from fucina_jax.errors import (
+    CostTableEmpty,
+    ProbeStepsZero,
+    RateWindowTooSmall,
+    ReprobeAfterZero,
+    SpecOptionsError,
+)
+
+__all__ = ["CostPoint", "DEFAULT_COST_TABLE", "MAX_DRAFT", "SpecOptions", "CostGate", "table_cost"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostPoint:
+    """A verify over `draft_len` draft tokens costs `cost` plain decode steps."""
+
+    draft_len: int
+    cost: float
+
+
+# Measured on the embedded Gemma 3 270M Q4_K_M with scripts/measure_verify_cost.py (greedy sampler, ctx 4096,
+# 128 cached tokens): fused verify+sample step of width k vs the fused decode+sample step, best of 7 calls after a
+# compile warm-up, median of 5 interleaved rounds. 2025-11-29, 2-core shared VM under load (load average 4-7
+# from other jobs), jax 0.10.2, CPU. A draft of d tokens runs the padded bucket of width bucket_for(d + 1), so the
+# decoder prices a verify at the bucket's draft slots (width - 1): the keys below are those slots and the
+# interpolation between them only serves custom tables.
+DEFAULT_COST_TABLE: tuple[CostPoint, ...] = (
+    CostPoint(1, 1.0),
+    CostPoint(3, 1.05),
+    CostPoint(7, 1.25),
+    CostPoint(15, 1.45),
+)
+
+# The widest verify bucket (engine.VERIFY_BUCKETS[-1] = 16 rows) holds the carried token + 15 draft tokens.
+MAX_DRAFT = 15
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions:
+    """The speculative decoder's knobs; the defaults are the design record's policy constants."""
+
+    max_draft: int = MAX_DRAFT  # longest draft per verify (<= MAX_DRAFT: the widest verify bucket)
+    min_draft: int = 2  # shorter drafts run a plain step (a 1-token verify buys at most one token)
+    enabled: bool = True  # False: every step is a plain step (the source still observes the stream)
+    rate_window: int = 16  # verify steps in the gate's rolling window
+    min_window_drafted: int = 8  # evaluate once the window holds this many drafted tokens (and >= 2 verifies)
+    min_speedup: float = 1.0  # speculate while est_speedup >= this
+    probe_margin: float = 0.10  # a probe re-enables only at >= min_speedup + probe_margin
+    reprobe_after: int = 128  # disabled steps before the first re-probe; doubles per failed probe
+    reprobe_max: int = 1024  # cap of the re-probe wait
+    probe_steps: int = 4  # verify steps one probe runs before deciding
+    cost_table: tuple[CostPoint, ...] = DEFAULT_COST_TABLE
+    adapt_budget: bool = True  # cap the draft by the window's acceptance rate
+
+    def validate(self) -> SpecOptions:
+        """Check every value (the gate's four degenerate settings raise their own error types)."""
+        if self.rate_window < 2:
+            raise RateWindowTooSmall(
+                f"rate_window = {self.rate_window} is invalid: the gate needs a window of >= 2 verify steps "
+                "(one verify is too noisy to act on); the default is 16"
+            )
+        if self.probe_steps < 1:
+            raise ProbeStepsZero(
+                f"probe_steps = {self.probe_steps} is invalid: a re-probe runs >= 1 verify step; the default is 4"
+            )
+        if len(self.cost_table) < 1:
+            raise CostTableEmpty(
+                "cost_table is empty: give at least one CostPoint(draft_len, cost), or keep DEFAULT_COST_TABLE"
+            )
+        if self.reprobe_after < 1:
+            raise ReprobeAfterZero(
+                f"reprobe_after = {self.reprobe_after} is invalid: wait >= 1 disabled step before a re-probe "
+                "(the default is 128); to turn speculation off use enabled=False"
+            )
+        if not 1 <= self.max_draft <= MAX_DRAFT:
+            raise SpecOptionsError(
+                f"max_draft = {self.max_draft} is invalid: it must be in [1, {MAX_DRAFT}] (the widest verify "
+                "bucket holds the carried token + 15 drafts)"
+            )
+        if self.min_draft < 1:
+            raise SpecOptionsError(f"min_draft = {self.min_draft} is invalid: it must be >= 1 (the default is 2)")
+        if self.reprobe_max < self.reprobe_after:
+            raise SpecOptionsError(
+                f"reprobe_max = {self.reprobe_max} is below reprobe_after = {self.reprobe_after}: the backoff "
+                "cap must be >= its base"
+            )
+        if self.min_window_drafted < 0:
+            raise SpecOptionsError(f"min_window_drafted = {self.min_window_drafted} is invalid: it must be >= 0")
+        for name in ("min_speedup", "probe_margin"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise SpecOptionsError(f"{name} = {v!r} is invalid: it must be a finite number >= 0")
+        last = 0
+        for p in self.cost_table:
+            if not isinstance(p, CostPoint) or p.draft_len <= last or not (math.isfinite(p.cost) and p.cost > 0):
+                raise SpecOptionsError(
+                    f"cost_table = {self.cost_table!r} is invalid: it must be CostPoint(draft_len, cost) entries "
+                    "with strictly increasing draft_len >= 1 and finite costs > 0"
+                )
+            last = p.draft_len
+        return self
+
+
+def table_cost(table: tuple[CostPoint, ...], draft_len: int) -> float:
+    """Static verify cost of a draft of `draft_len` tokens: linear between points, clamped at the ends."""
+    if draft_len <= table[0].draft_len:
+        return float(table[0].cost)
+    for a, b in zip(table, table[1:]):
+        if draft_len <= b.draft_len:
+            t = (draft_len - a.draft_len) / (b.draft_len - a.draft_len)
+            return float(a.cost + t * (b.cost - a.cost))
+    return float(table[-1].cost)
+
+
+_Entry = collections.namedtuple("_Entry", "committed accepted drafted cost")
+
+
+class CostGate:
+    """The gate's state machine: "on" -> "off" (after a losing window) -> "probing" -> "on" or "off" again.
+
+    The decoder calls, per step: allows() (False: run a plain step); note_plain_ns(ns) after a timed plain
+    step; verify_cost(draft_len, ns) and record_verify(...) after each verify; budget_cap(...) before drafting.
+    """
+
+    PLAIN_ALPHA = 0.25  # EWMA weight of a new plain-step time
+    SCALE_ALPHA = 0.2  # EWMA weight of a new verify-cost rescale sample
+    SCALE_MIN = 0.25
+    SCALE_MAX = 4.0
+
+    def __init__(self, options: SpecOptions = SpecOptions()):
+        self.options = options.validate()
+        self.state = "on"
+        self.backoff = options.reprobe_after  # disabled steps before the next probe
+        self.off_steps = 0
+        self.probe_left = 0
+        self.plain_ns = 0.0  # EWMA of the plain step time
+        self.plain_samples = 0
+        self.cost_scale = 1.0  # live rescale of the static table
+        # decision counts, for the statistics
+        self.trips = 0  # on -> off
+        self.probes = 0  # re-probes started
+        self.probes_passed = 0
+        self.probes_failed = 0
+        self._window: collections.deque[_Entry] = collections.deque(maxlen=options.rate_window)
+        self._reset_window()
+
+    # ---- the decoder's calls ------------------------------------------------------------------------
+
+    def allows(self) -> bool:
+        """May this step speculate? While off, counts the step toward the next probe."""
+        if self.state != "off":
+            return True
+        self.off_steps += 1
+        if self.off_steps >= self.backoff:
+            self.state = "probing"
+            self.probe_left = self.options.probe_steps
+            self.probes += 1
+            self._reset_window()
+            return True
+        return False
+
+    def note_plain_ns(self, ns: float) -> None:
+        """Feed one plain step's wall time into the live cost model."""
+        a = self.PLAIN_ALPHA
+        self.plain_ns = float(ns) if self.plain_samples == 0 else a * ns + (1.0 - a) * self.plain_ns
+        self.plain_samples += 1
+
+    def verify_cost(self, draft_len: int, verify_ns: float | None = None) -> float:
+        """One verify's cost in plain steps: the table times the live scale, which a timed verify updates."""
+        base = table_cost(self.options.cost_table, draft_len)
+        if verify_ns is not None and self.plain_samples > 0 and self.plain_ns > 0:
+            measured = max(verify_ns / self.plain_ns, 1.0)
+            sample = min(max(measured / base, self.SCALE_MIN), self.SCALE_MAX)
+            scale = self.SCALE_ALPHA * sample + (1.0 - self.SCALE_ALPHA) * self.cost_scale
+            self.cost_scale = min(max(scale, self.SCALE_MIN), self.SCALE_MAX)
+        return max(self.cost_scale * base, 1.0)
+
+    def record_verify(self, committed: int, accepted: int, drafted: int, cost: float) -> None:
+        """Add one verify's outcome to the window and run the decision."""
+        w = self._window
+        if len(w) == w.maxlen:
+            old = w[0]
+            self.sum_committed -= old.committed
+            self.sum_accepted -= old.accepted
+            self.sum_drafted -= old.drafted
+            self.sum_cost -= old.cost
+        w.append(_Entry(committed, accepted, drafted, cost))
+        self.sum_committed += committed
+        self.sum_accepted += accepted
+        self.sum_drafted += drafted
+        self.sum_cost += cost
+
+        o = self.options
+        evaluable = len(w) >= 2 and self.sum_drafted >= o.min_window_drafted
+        if self.state == "on":
+            if evaluable and self.est_speedup() < o.min_speedup:
+                self.trips += 1
+                self._to_off(o.reprobe_after)  # a fresh degradation episode backs off from the base wait
+        elif self.state == "probing":
+            self.probe_left -= 1
+            if evaluable and self.est_speedup() < o.min_speedup:
+                self._fail_probe()  # a clear loss mid-probe fails early
+            elif self.probe_left == 0:
+                if self.est_speedup() >= o.min_speedup + o.probe_margin:
+                    self.state = "on"
+                    self.probes_passed += 1
+                    self.backoff = o.reprobe_after  # the next trip waits the base again
+                else:
+                    self._fail_probe()
+        else:
+            raise RuntimeError("record_verify while the gate is off: allows() returned False for this step")
+
+    def est_speedup(self) -> float:
+        """Committed tokens per plain-step equivalent over the window; infinite on an empty window."""
+        return math.inf if self.sum_cost <= 0 else self.sum_committed / self.sum_cost
+
+    def budget_cap(self, max_draft: int, min_draft: int) -> int:
+        """Acceptance-adaptive draft budget; an empty window grants max_draft."""
+        if self.sum_drafted == 0:
+            return max_draft
+        ceil_acc = -(-self.sum_accepted * max_draft // self.sum_drafted)  # ceil(acceptance * max_draft), exact
+        return min(max_draft, max(min_draft, 2 + ceil_acc))
+
+    def decisions(self) -> dict:
+        """Counts and state for the statistics."""
+        return dict(
+            state=self.state, trips=self.trips, probes=self.probes, probes_passed=self.probes_passed,
+            probes_failed=self.probes_failed, backoff=self.backoff, cost_scale=round(self.cost_scale, 4),
+        )
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _fail_probe(self) -> None:
+        self.probes_failed += 1
+        self._to_off(min(self.backoff * 2, self.options.reprobe_max))
+
+    def _to_off(self, next_backoff: int) -> None:
+        self.state = "off"
+        self.off_steps = 0
+        self.backoff = next_backoff
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._window.clear()
+        self.sum_committed = 0
+        self.sum_accepted = 0
+        self.sum_drafted = 0
+        self.sum_cost = 0.0
