@@ -245,15 +245,17 @@ def shard_model(model, mesh: Mesh):
     """A ShardedModel sharing `model`'s config, metadata and tokenizer, with its params placed over `mesh`.
 
     The source model's arrays stay where they were (donate them by dropping `model` if memory is tight)."""
-    out = ShardedModel(path=model.path, config=model.config, params=shard_params(model.params, model.config, mesh),
-              metadata=model.metadata, _tokenizer=model._tokenizer, mesh=mesh)
+    params = shard_params(model.params, model.config, mesh)
+    out = ShardedModel(path=model.path, config=model.config, params=params, metadata=model.metadata,
+                       _tokenizer=model._tokenizer, mesh=mesh)
     out.load_seconds = getattr(model, "load_seconds", None)
     return out
 
 
 def load_sharded(path, mesh: Mesh):
     """Load a GGUF straight into shards: each dequantized host tensor is sent only to the devices holding a part of
-    it, so no single device ever holds the whole model (fucina_jax.load places everything on device 0 first)."""
+    it, so no single device ever holds the whole model (fucina_jax.load places everything on device 0 first).
+    The host still holds the whole f32 model once, between dequantization and placement."""
     from fucina_jax.gguf_io import open_gguf
     from fucina_jax.model import _n_vocab, default_model_path
     from fucina_jax.models import architecture
@@ -280,8 +282,8 @@ def load_sharded(path, mesh: Mesh):
 def compare_sharded(model, sharded, *, batch: int = 2, n_ids: int = 40, n_prefill: int = 11, n_decode: int = 6,
                     verify_width: int = 4, seed: int = 0) -> dict:
     """Run the same token ids through `model` (one device) and `sharded`; return, per step kind, the max |logit
-    difference| and whether every argmax agrees, and whether the KV cache kept its sharding and was donated at every
-    sharded step.
+    difference| and whether every argmax agrees; whether the KV cache kept its sharding and was donated at every
+    sharded step; whether a sharded decode step after the first compiled again.
 
     Step kinds: the full forward (Model.logits: 16-wide verify chunks on a fresh cache); a bucketed prefill of
     `batch` rows of different lengths (row r: n_prefill + r tokens) followed by `n_decode` decode steps; then one
@@ -324,11 +326,15 @@ def compare_sharded(model, sharded, *, batch: int = 2, n_ids: int = 40, n_prefil
         logits, new = engine.prefill_step(m.params, jnp.asarray(prompt), jnp.asarray(lens), cache, cfg)
         step(cache, new)
         out = [np.asarray(logits)]
-        for toks in steps:
+        for t, toks in enumerate(steps):
+            if t == 1:  # the first decode compiled; the ones after it must reuse it (the cache layout is stable)
+                compiled = engine.decode_step._cache_size()
             cache = new
             logits, new = engine.decode_step(m.params, jnp.asarray(toks), cache, cfg)
             step(cache, new)
             out.append(np.asarray(logits))
+        if m is sharded and n_decode > 1:
+            report["decode_recompiled"] = engine.decode_step._cache_size() != compiled
         rows[name] = np.stack(out)
         cache = new
         logits, new = engine.verify_step(m.params, jnp.asarray(draft), cache, cfg)

@@ -206,6 +206,7 @@ def test_sharded_equals_single_device(case, kind, data, four_device_reports):
         assert r["cache_sharding"][0] == "P('data', None, 'model')"
     assert r["cache_sharding_kept"], "a step returned the KV cache in another layout than it was given"
     assert r["cache_donated"], "a step did not donate the sharded KV cache"
+    assert not r["decode_recompiled"], "sharded decode steps recompiled inside a bucket"
     assert r["load_sharded_equal"]
 
 
