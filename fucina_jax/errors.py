@@ -79,3 +79,7 @@ class ReprobeAfterZero(SpecOptionsError):
 
 class DraftSourceError(FucinaError):
     """A draft source broke the DraftSource contract (a draft length or token id out of range)."""
+
+
+class MeshError(FucinaError, ValueError):
+    """The requested device mesh (fucina_jax.sharding.make_mesh) does not fit the visible devices."""

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from fucina_jax.errors import FucinaError
+from fucina_jax.errors import MeshError
 from fucina_jax.model import Model
 from fucina_jax.models.cache import KVCache, init_cache
 from fucina_jax.models.config import LayerSpec, ModelConfig
@@ -123,10 +123,6 @@ MESH_RULES: dict[str, str] = {
 }
 
 MESH_AXES = ("data", "model")
-
-
-class MeshError(FucinaError, ValueError):
-    """The requested device mesh does not fit the visible devices."""
 
 
 def make_mesh(n_devices: int | None = None, *, data: int = 1, devices=None) -> Mesh:
