@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from fucina_jax.errors import MeshError
+from fucina_jax.errors import FucinaError, MeshError
 from fucina_jax.model import Model
 from fucina_jax.models.cache import KVCache, init_cache
 from fucina_jax.models.config import LayerSpec, ModelConfig
@@ -350,7 +350,8 @@ def main(argv=None) -> int:
         prog="python -m fucina_jax.sharding",
         description="Check that sharded steps equal single-device steps on this host (prints one JSON object).")
     p.add_argument("--check", required=True, metavar="MODEL.gguf",
-                   help="model to compare; 'fixture:KIND' writes the tiny fixture KIND to a temporary directory")
+                   help="model to compare; 'fixture:KIND' writes a tiny random fixture (qwen3, gemma3, ..., "
+                        "gemma4-dense, gemma4-moe, gemma4-e2b, gemma4-e4b) to a temporary directory")
     p.add_argument("--devices", type=int, default=None, help="devices in the mesh (default: all visible)")
     p.add_argument("--data", type=int, default=1, help="size of the data (batch) mesh axis (default: 1)")
     p.add_argument("--batch", type=int, default=2, help="rows in the prefill/decode/verify comparison (default: 2)")
@@ -366,11 +367,15 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.check
-        if path.startswith("fixture:"):
-            path = _write_fixture(path.split(":", 1)[1], tmp)
-        t0 = time.perf_counter()
-        model = fucina_jax.load(path)
-        mesh = make_mesh(args.devices, data=args.data)
+        try:
+            if path.startswith("fixture:"):
+                path = _write_fixture(path.split(":", 1)[1], tmp)
+            t0 = time.perf_counter()
+            model = fucina_jax.load(path)
+            mesh = make_mesh(args.devices, data=args.data)
+        except (FucinaError, FileNotFoundError, KeyError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         sharded = shard_model(model, mesh)
         report = compare_sharded(model, sharded, batch=args.batch)
         report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -384,13 +389,14 @@ def main(argv=None) -> int:
 
 
 def _write_fixture(kind: str, tmp: str) -> str:
-    from fucina_jax.testing import write_fixture
+    from fucina_jax.testing import FIXTURES, GEMMA4_VARIANTS, write_fixture, write_gemma4_fixture
 
     path = os.path.join(tmp, f"{kind}.gguf")
     if kind.startswith("gemma4"):
-        from fucina_jax.testing.gemma4 import write_gemma4_fixture
-
         return write_gemma4_fixture(path, kind.partition("-")[2] or "dense")
+    if kind not in FIXTURES:
+        known = sorted(FIXTURES) + [f"gemma4-{v}" for v in GEMMA4_VARIANTS]
+        raise ValueError(f"unknown fixture {kind!r}; choose from {', '.join(known)}")
     return write_fixture(path, kind)
 
 
