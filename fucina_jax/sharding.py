@@ -44,23 +44,23 @@ from fucina_jax.models.cache import KVCache, init_cache
 from fucina_jax.models.config import LayerSpec, ModelConfig
 
 __all__ = [
-    "PARAM_AXES",
     "MESH_RULES",
-    "make_mesh",
-    "param_axes",
-    "param_specs",
-    "param_shardings",
-    "shard_params",
-    "cache_specs",
-    "cache_shardings",
-    "shard_cache",
-    "new_sharded_cache",
+    "PARAM_AXES",
     "MeshError",
     "ShardedModel",
-    "shard_model",
-    "load_sharded",
+    "cache_shardings",
+    "cache_specs",
     "compare_sharded",
+    "load_sharded",
     "main",
+    "make_mesh",
+    "new_sharded_cache",
+    "param_axes",
+    "param_shardings",
+    "param_specs",
+    "shard_cache",
+    "shard_model",
+    "shard_params",
 ]
 
 # Logical axis of every dimension of every parameter, by params-dict key (global keys and per-layer keys share one
@@ -389,7 +389,12 @@ def main(argv=None) -> int:
 
 
 def _write_fixture(kind: str, tmp: str) -> str:
-    from fucina_jax.testing import FIXTURES, GEMMA4_VARIANTS, write_fixture, write_gemma4_fixture
+    from fucina_jax.testing import (
+        FIXTURES,
+        GEMMA4_VARIANTS,
+        write_fixture,
+        write_gemma4_fixture,
+    )
 
     path = os.path.join(tmp, f"{kind}.gguf")
     if kind.startswith("gemma4"):

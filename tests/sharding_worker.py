@@ -49,7 +49,7 @@ def generate(path):
     sharded = sharding.shard_model(model, sharding.make_mesh(N_DEVICES))
     ids = [int(x) for x in np.random.default_rng(1).integers(0, 260, 9)]
     out = {}
-    for name, kw in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=0.9, seed=5))):
+    for name, kw in (("greedy", {"temperature": 0.0}), ("sampled", {"temperature": 0.9, "seed": 5})):
         out[name] = [m.generate(ids, 16, **kw).run().tokens for m in (model, sharded)]
     return out
 
