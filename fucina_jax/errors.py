@@ -83,3 +83,11 @@ class DraftSourceError(FucinaError):
 
 class MeshError(FucinaError, ValueError):
     """The requested device mesh (fucina_jax.sharding.make_mesh) does not fit the visible devices."""
+
+
+class CostTableError(SpecOptionsError):
+    """A verify-cost table file (the --spec-bench JSON, --cost-table FILE) is missing, unreadable or malformed."""
+
+
+class ChatOptionsError(FucinaError, ValueError):
+    """A chat option (fucina_jax.chat.ChatOptions) is invalid, or two options cannot be combined."""

@@ -1,0 +1,363 @@
+"""The verify-economics probe (`--spec-bench`): the cost table C(k) of the loaded model on this machine.
+
+Design record section 3. A verify over k draft tokens costs C(k) plain decode steps and commits a + 1 tokens (a =
+accepted prefix, the +1 correction/bonus is free), so it wins iff a + 1 > C(k): strict break-even a = C(k) - 1
+accepted tokens, i.e. acceptance (C(k) - 1) / k; the conservative planning figure C(k) / k ignores the free token.
+
+Measured with the decoder's own compiled steps: spec.steps.verify_sample_step at every engine.VERIFY_BUCKETS width
+against engine.decode_sample_step, on the same cache state (`prompt_len` cached tokens in a `ctx`-slot cache: the
+attention spans every slot, so the context size is part of the measurement). After one warm-up (compile) call of
+every step, each round times `reps` (plain, verify) pairs interleaved call by call for each width and keeps
+best verify / best plain; the table is the median over rounds. Interleaving puts numerator and denominator in the
+same few seconds, so load from other processes hits both alike.
+
+A draft of d tokens runs the padded bucket of width bucket_for(d + 1), so the table is keyed by the bucket's draft
+slots (width - 1), the key the decoder prices a verify at (see spec/gate.py). A measured cost below 1 (noise, or a
+verify of width 2 as cheap as a decode step) is entered as 1: a verify never costs less than the plain step it
+replaces. The raw ratio stays in the JSON as `measured`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fucina_jax import engine, sampling
+from fucina_jax.errors import CostTableError
+from fucina_jax.models import truncate
+from fucina_jax.sampling import SamplerConfig
+from fucina_jax.spec.gate import CostPoint, SpecOptions
+from fucina_jax.spec.steps import verify_sample_step
+
+__all__ = [
+    "CostTableResult",
+    "measure_cost_table",
+    "save_cost_table",
+    "load_cost_table",
+    "plot_cost_table",
+    "format_cost_table",
+    "machine_description",
+    "run_spec_bench",
+    "DEFAULT_TABLE_PATH",
+]
+
+DEFAULT_PROMPT_LEN = 128  # cached tokens while timing
+DEFAULT_REPS = 5  # (plain, verify) pairs per width per round; the best of each is kept
+DEFAULT_ROUNDS = 3  # rounds; the median ratio is reported
+FORMAT = "fucina_jax.cost_table"
+FORMAT_VERSION = 1
+# The shipped table (package data), produced by this probe on the embedded Gemma 3 270M.
+DEFAULT_TABLE_PATH = os.path.join(os.path.dirname(__file__), "default_cost_table.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTableResult:
+    """One probe run. rows: (width, draft_len, cost, measured ratio, best verify ms) per verify bucket."""
+
+    model: str
+    date: str
+    machine: str
+    plain_ms: float  # median over rounds of the best plain (decode+sample) step
+    rows: tuple[tuple[int, int, float, float, float], ...]
+    ctx: int
+    cached_tokens: int
+    sampler: str
+    reps: int
+    rounds: int
+    command: str
+    seconds: float = 0.0  # wall time of the whole probe, compile included
+
+    def cost_table(self) -> tuple[CostPoint, ...]:
+        return tuple(CostPoint(d, c) for _, d, c, _, _ in self.rows)
+
+    def to_json(self) -> dict:
+        return dict(
+            format=FORMAT, version=FORMAT_VERSION, model=self.model, date=self.date, machine=self.machine,
+            plain_ms=round(self.plain_ms, 3), ctx=self.ctx, cached_tokens=self.cached_tokens, sampler=self.sampler,
+            reps=self.reps, rounds=self.rounds, seconds=round(self.seconds, 1), command=self.command,
+            table=[
+                dict(width=w, draft_len=d, cost=round(c, 4), measured=round(m, 4), verify_ms=round(v, 3))
+                for w, d, c, m, v in self.rows
+            ],
+        )
+
+
+def machine_description() -> str:
+    """CPU model, core count, OS, jax version and the current 1-minute load average (the machine may be shared)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = f", load average {os.getloadavg()[0]:.2f}"
+    except OSError:
+        load = ""
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, jax {jax.__version__}{load}"
+
+
+def measure_cost_table(
+    model,
+    *,
+    ctx: int | None = None,
+    prompt_len: int = DEFAULT_PROMPT_LEN,
+    reps: int = DEFAULT_REPS,
+    rounds: int = DEFAULT_ROUNDS,
+    sampler: SamplerConfig | None = None,
+    widths: Sequence[int] = engine.VERIFY_BUCKETS,
+    progress: bool = False,
+    command: str = "",
+) -> CostTableResult:
+    """Time one verify at every width against one plain step; see the module docstring for the method."""
+    if reps < 1 or rounds < 1:
+        raise ValueError(f"reps = {reps} and rounds = {rounds}: both must be >= 1")
+    for w in widths:
+        if w not in engine.VERIFY_BUCKETS:
+            raise ValueError(f"width {w} is not a verify bucket {engine.VERIFY_BUCKETS}")
+    t_start = time.perf_counter()
+    ctx = int(ctx or model.default_ctx)
+    prompt_len = max(1, min(prompt_len, ctx - max(widths) - 1))
+    cfg = (sampler or SamplerConfig(seed=0)).validate()
+    sparams = cfg.params()
+    cap = cfg.candidate_cap(model.config.n_vocab)
+    rng = np.random.default_rng(0)
+    n_vocab = model.config.n_vocab
+    prompt = rng.integers(0, n_vocab, prompt_len).tolist()
+    history = sampling.history_from_tokens(prompt, cfg.history_capacity(ctx))
+    _, cache = model.prefill(prompt, model.new_cache(ctx))
+    base = int(cache.length[0])
+    last = jnp.asarray([prompt[-1]], jnp.int32)
+    # Random drafts: the cost of a verify does not depend on whether its rows are accepted.
+    inputs = {}
+    for w in widths:
+        toks = jnp.asarray(rng.integers(0, n_vocab, (1, w)), jnp.int32)
+        inputs[w] = (toks, jnp.concatenate([toks[0, 1:], jnp.asarray([-1], jnp.int32)]))
+
+    def plain(cache):
+        t0 = time.perf_counter()
+        tok, cache, _ = engine.decode_sample_step(model.params, last, cache, history, sparams, model.config, cap)
+        np.asarray(tok)  # waits for the result
+        return time.perf_counter() - t0, truncate(cache, base)
+
+    def verify(cache, w):
+        toks, drafts = inputs[w]
+        t0 = time.perf_counter()
+        sampled, _, _, cache = verify_sample_step(model.params, toks, drafts, cache, history, sparams, model.config,
+                                                  cap)
+        np.asarray(sampled)
+        return time.perf_counter() - t0, truncate(cache, base)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(widths) * (rounds + 1), desc="spec-bench", unit="width", file=sys.stderr, leave=False)
+    _, cache = plain(cache)  # warm-up: compile every step once
+    for w in widths:
+        _, cache = verify(cache, w)
+        if bar is not None:
+            bar.update(1)
+    ratios: dict[int, list[float]] = {w: [] for w in widths}
+    verify_s: dict[int, list[float]] = {w: [] for w in widths}
+    plains: list[float] = []
+    for _ in range(rounds):
+        for w in widths:
+            tp, tv = [], []
+            for _ in range(reps):
+                t, cache = plain(cache)
+                tp.append(t)
+                t, cache = verify(cache, w)
+                tv.append(t)
+            plains.append(min(tp))
+            verify_s[w].append(min(tv))
+            ratios[w].append(min(tv) / min(tp))
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    rows = []
+    for w in widths:
+        measured = statistics.median(ratios[w])
+        rows.append((w, w - 1, max(measured, 1.0), measured, statistics.median(verify_s[w]) * 1e3))
+    return CostTableResult(
+        model=os.path.basename(model.path), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), machine=machine_description(), plain_ms=statistics.median(plains) * 1e3,
+        rows=tuple(rows), ctx=ctx, cached_tokens=base, sampler=_sampler_name(cfg), reps=reps, rounds=rounds,
+        command=command, seconds=time.perf_counter() - t_start,
+    )
+
+
+def _sampler_name(cfg: SamplerConfig) -> str:
+    if cfg.greedy:
+        return "greedy"
+    return f"temperature {cfg.temperature}, top-k {cfg.top_k}, top-p {cfg.top_p}, min-p {cfg.min_p}"
+
+
+def format_cost_table(result: CostTableResult) -> str:
+    """The table as printed by --spec-bench: cost and both break-even acceptance bounds per width."""
+    lines = [
+        f"{result.model}: plain step {result.plain_ms:.1f} ms (ctx {result.ctx}, {result.cached_tokens} cached, "
+        f"{result.sampler}; best of {result.reps}, median of {result.rounds} rounds)",
+        f"machine: {result.machine}",
+        "width  draft slots k  C(k) plain steps  verify ms  break-even acc: strict (C-1)/k  conservative C/k",
+    ]
+    for w, d, c, m, v in result.rows:
+        raw = f" (measured {m:.2f})" if m < c else ""
+        lines.append(
+            f"{w:5d}  {d:13d}  {c:16.2f}{raw}  {v:9.1f}  {100 * (c - 1) / d:27.0f}%  {100 * min(c / d, 9.99):15.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def save_cost_table(result: CostTableResult, path: str | os.PathLike) -> str:
+    """Write the JSON that load_cost_table (and `--cost-table FILE`) reads; returns the path."""
+    path = os.fspath(path)
+    with open(path, "w") as f:
+        json.dump(result.to_json(), f, indent=2)
+        f.write("\n")
+    return path
+
+
+def load_cost_table(path: str | os.PathLike) -> tuple[CostPoint, ...]:
+    """The gate's table from a --spec-bench JSON file: pass it as SpecOptions(cost_table=...).
+
+    Raises CostTableError naming the file and what is wrong with it.
+    """
+    path = os.fspath(path)
+    redo = "re-run --spec-bench to write a fresh one"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CostTableError(f"cost table file not found: {path} ({redo}, or omit it to use the default)") from None
+    except OSError as e:
+        raise CostTableError(f"cannot read the cost table {path}: {e.strerror}") from None
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CostTableError(f"{path} is not a JSON cost table ({e}); {redo}") from None
+    if not isinstance(doc, dict) or "table" not in doc:
+        raise CostTableError(f"{path} has no 'table' list: it is not a --spec-bench cost table; {redo}")
+    if doc.get("format", FORMAT) != FORMAT or doc.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise CostTableError(
+            f"{path} is format {doc.get('format')!r} version {doc.get('version')!r}; this fucina_jax reads "
+            f"{FORMAT!r} version {FORMAT_VERSION}; {redo}"
+        )
+    entries = doc["table"]
+    if not isinstance(entries, list) or not entries:
+        raise CostTableError(f"{path}: 'table' must be a non-empty list of {{draft_len, cost}} entries; {redo}")
+    points = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or "draft_len" not in e or "cost" not in e:
+            raise CostTableError(f"{path}: table entry {i} = {e!r} needs the keys 'draft_len' and 'cost'")
+        d, c = e["draft_len"], e["cost"]
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise CostTableError(f"{path}: table entry {i} has draft_len = {d!r}; it must be an integer >= 1")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+            raise CostTableError(f"{path}: table entry {i} has cost = {c!r}; it must be a finite number > 0 "
+                                 "(plain decode steps per verify)")
+        if points and d <= points[-1].draft_len:
+            raise CostTableError(f"{path}: draft_len must strictly increase, but entry {i} has {d} after "
+                                 f"{points[-1].draft_len}")
+        points.append(CostPoint(d, float(c)))
+    table = tuple(points)
+    SpecOptions(cost_table=table).validate()  # the gate's own rules; the checks above make this pass
+    return table
+
+
+def plot_cost_table(result: CostTableResult, path: str | os.PathLike) -> str:
+    """PNG: C(k) in plain steps (left) and the break-even acceptance bounds (C(k) - 1)/k and C(k)/k (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    k = [d for _, d, _, _, _ in result.rows]
+    c = [c for _, _, c, _, _ in result.rows]
+    m = [m for _, _, _, m, _ in result.rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.plot(k, c, "o-", label="C(k) (gate table)")
+    a1.plot(k, m, "x:", color="grey", label="measured ratio")
+    a1.axhline(1.0, color="black", lw=0.7)
+    a1.set_xscale("log", base=2)
+    a1.set_xticks(k, [str(x) for x in k])
+    a1.set_xlabel("draft slots k (verify width - 1)")
+    a1.set_ylabel("verify cost (plain decode steps)")
+    a1.set_title(f"verify cost, plain step {result.plain_ms:.0f} ms")
+    a1.legend()
+    a2.plot(k, [100 * (x - 1) / d for x, d in zip(c, k)], "o-", label="strict: a = C(k) - 1  ->  (C(k) - 1)/k")
+    a2.plot(k, [100 * x / d for x, d in zip(c, k)], "s--", label="conservative: C(k)/k")
+    a2.set_xscale("log", base=2)
+    a2.set_xticks(k, [str(x) for x in k])
+    a2.set_ylim(0, 105)
+    a2.set_xlabel("draft slots k")
+    a2.set_ylabel("break-even acceptance (%)")
+    a2.set_title("speculation wins above the curve")
+    a2.legend()
+    fig.suptitle(f"{result.model} - {result.date[:10]}", fontsize=9)
+    fig.tight_layout()
+    path = os.fspath(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_spec_bench(model, *, json_path: str | None, png_path: str | None, ctx: int | None = None,
+                   sampler: SamplerConfig | None = None, reps: int = DEFAULT_REPS, rounds: int = DEFAULT_ROUNDS,
+                   prompt_len: int = DEFAULT_PROMPT_LEN, progress: bool = True, command: str = "",
+                   out=sys.stdout) -> CostTableResult:
+    """Measure, print the table, write the JSON and the PNG (either path may be None to skip it)."""
+    result = measure_cost_table(model, ctx=ctx, sampler=sampler, reps=reps, rounds=rounds, prompt_len=prompt_len,
+                                progress=progress, command=command)
+    print(format_cost_table(result), file=out)
+    if json_path:
+        save_cost_table(result, json_path)
+        print(f"wrote {json_path} (use it with --cost-table {json_path})", file=out)
+    if png_path:
+        plot_cost_table(result, png_path)
+        print(f"wrote {png_path}", file=out)
+    return result
+
+
+def main(argv=None) -> int:
+    """`python -m fucina_jax.spec.bench [MODEL] [--json F] [--png F]`: the probe without the generation CLI."""
+    import argparse
+
+    import fucina_jax
+
+    ap = argparse.ArgumentParser(prog="python -m fucina_jax.spec.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--json", default="spec_bench.json", help="cost-table JSON to write ('' = none)")
+    ap.add_argument("--png", default="spec_bench.png", help="plot to write ('' = none)")
+    ap.add_argument("--ctx", type=int, default=0, help="cache size (default: the model's default context)")
+    ap.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed pairs per width per round")
+    ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds (the median is kept)")
+    ap.add_argument("--greedy", action="store_true", help="time the greedy sampler (default: the CLI's sampler)")
+    args = ap.parse_args(argv)
+    model = fucina_jax.load(args.model)
+    sampler = SamplerConfig(temperature=0.0, seed=0) if args.greedy else SamplerConfig(seed=0)
+    command = "python -m fucina_jax.spec.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    run_spec_bench(model, json_path=args.json or None, png_path=args.png or None, ctx=args.ctx or None,
+                   sampler=sampler, reps=args.reps, rounds=args.rounds, command=command.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

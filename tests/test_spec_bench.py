@@ -1,0 +1,100 @@
+"""The --spec-bench probe: it measures every verify bucket, its JSON round-trips into the cost gate, bad files raise,
+and the shipped default table is the probe's own output."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+
+from fucina_jax import engine
+from fucina_jax.errors import CostTableError, SpecOptionsError
+from fucina_jax.spec import CostGate, CostPoint, SpecOptions
+from fucina_jax.spec.bench import (
+    DEFAULT_TABLE_PATH,
+    load_cost_table,
+    run_spec_bench,
+)
+
+
+@pytest.fixture(scope="module")
+def probe(fixture_path, load_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec_bench")
+    model = load_model(fixture_path("qwen3"))
+    out = io.StringIO()
+    result = run_spec_bench(model, json_path=str(d / "t.json"), png_path=str(d / "t.png"), reps=2, rounds=1,
+                            prompt_len=24, progress=False, command="test", out=out)
+    return result, d, out.getvalue()
+
+
+def test_probe_measures_every_bucket(probe):
+    result, d, printed = probe
+    assert [r[0] for r in result.rows] == list(engine.VERIFY_BUCKETS)
+    assert [r[1] for r in result.rows] == [w - 1 for w in engine.VERIFY_BUCKETS]
+    for _, _, cost, measured, verify_ms in result.rows:
+        assert cost == max(measured, 1.0) and math.isfinite(cost)
+        assert verify_ms > 0
+    assert result.plain_ms > 0
+    assert "draft slots" in printed and "--cost-table" in printed
+    with open(d / "t.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_round_trips_into_the_gate(probe):
+    result, d, _ = probe
+    doc = json.loads((d / "t.json").read_text())
+    for key in ("model", "date", "machine", "plain_ms", "table", "command"):
+        assert key in doc
+    assert [e["width"] for e in doc["table"]] == list(engine.VERIFY_BUCKETS)
+    table = load_cost_table(d / "t.json")
+    assert table == tuple(CostPoint(d_, round(c, 4)) for _, d_, c, _, _ in result.rows)
+    gate = CostGate(SpecOptions(cost_table=table))
+    # Without a clock the gate prices a verify straight from the table (never below one plain step).
+    for p in table:
+        assert gate.verify_cost(p.draft_len) == pytest.approx(max(p.cost, 1.0))
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize(
+    "text, what",
+    [
+        ("not json {", "not a JSON cost table"),
+        ("[1, 2]", "no 'table'"),
+        ('{"table": []}', "non-empty list"),
+        ('{"table": [{"draft_len": 1}]}', "'draft_len' and 'cost'"),
+        ('{"table": [{"draft_len": 0, "cost": 1.0}]}', "draft_len = 0"),
+        ('{"table": [{"draft_len": 1.5, "cost": 1.0}]}', "draft_len = 1.5"),
+        ('{"table": [{"draft_len": 1, "cost": -1}]}', "cost = -1"),
+        ('{"table": [{"draft_len": 1, "cost": "1.2"}]}', "cost = '1.2'"),
+        ('{"table": [{"draft_len": 1, "cost": NaN}]}', "cost = nan"),
+        ('{"table": [{"draft_len": 3, "cost": 1.1}, {"draft_len": 3, "cost": 1.2}]}', "strictly increase"),
+        ('{"format": "other", "table": [{"draft_len": 1, "cost": 1.0}]}', "format 'other'"),
+    ],
+)
+def test_bad_files_raise(tmp_path, text, what):
+    with pytest.raises(CostTableError, match=None) as e:
+        load_cost_table(_write(tmp_path, text))
+    assert what in str(e.value)
+    assert isinstance(e.value, SpecOptionsError)  # callers catching option errors see it too
+
+
+def test_missing_file_raises(tmp_path):
+    with pytest.raises(CostTableError, match="not found"):
+        load_cost_table(tmp_path / "nope.json")
+
+
+def test_shipped_default_table_is_probe_output():
+    """The package ships the probe's JSON for the embedded model, and it loads into a valid gate."""
+    doc = json.loads(open(DEFAULT_TABLE_PATH).read())
+    assert doc["model"].startswith("gemma-3-270m")
+    assert "spec.bench" in doc["command"] or "--spec-bench" in doc["command"]
+    table = load_cost_table(DEFAULT_TABLE_PATH)
+    assert [p.draft_len for p in table] == [w - 1 for w in engine.VERIFY_BUCKETS]
+    CostGate(SpecOptions(cost_table=table))
