@@ -17,6 +17,7 @@ from fucina_jax.errors import FucinaError
 __all__ = ["main", "build_parser"]
 
 DEFAULT_GEN = 128
+MAX_SPEC_REFS = 8  # reference documents per conversation (fucina_jax.index.CascadePolicy.max_references)
 DEFAULT_SAMPLER = dict(
     temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64,
     frequency_penalty=0.0, presence_penalty=0.0,
@@ -92,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--presence-penalty", type=float, default=DEFAULT_SAMPLER["presence_penalty"],
                    help="subtract value from logits of tokens present in the window; 0 = off (default 0)")
     s.add_argument("--seed", type=int, default=None, help="random seed (default: a random one, printed in --json)")
+    sp = p.add_argument_group("speculative decoding (lossless: the same tokens as without it)")
+    sp.add_argument("--spec", action="store_true",
+                    help="draft from the conversation itself (suffix automaton) and recycled logits, verify in one "
+                         "batched forward")
+    sp.add_argument("--spec-ref", action="append", default=[], metavar="FILE",
+                    help=f"a reference document the model may quote (implies --spec; repeatable, up to "
+                         f"{MAX_SPEC_REFS}), tokenized with the model's tokenizer")
+    sp.add_argument("--max-draft", type=_nonneg_int("--max-draft"), default=None,
+                    help="longest draft per verify, 1..15 (implies --spec; default 15)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true",
                    help="print one JSON object with ids, text and statistics on stdout at the end (no streaming)")
@@ -138,6 +148,26 @@ def _sampler(args):
     ).validate()
 
 
+def _spec_args(args):
+    """(SpecOptions or None when speculation is off, reference texts); checked before the model loads."""
+    if not (args.spec or args.spec_ref or args.max_draft is not None):
+        return None, []
+    from fucina_jax.spec import MAX_DRAFT, SpecOptions
+
+    if len(args.spec_ref) > MAX_SPEC_REFS:
+        raise CLIError(f"--spec-ref given {len(args.spec_ref)} times: at most {MAX_SPEC_REFS} reference documents")
+    if args.max_draft is not None and not 1 <= args.max_draft <= MAX_DRAFT:
+        raise CLIError(f"--max-draft must be in [1, {MAX_DRAFT}], got {args.max_draft}")
+    refs = []
+    for path in args.spec_ref:
+        text = _read_text(path)
+        if not text:
+            raise CLIError(f"--spec-ref {path} is empty")
+        refs.append(text)
+    options = SpecOptions() if args.max_draft is None else SpecOptions(max_draft=args.max_draft)
+    return options, refs
+
+
 def _log(args, msg: str) -> None:
     if not args.quiet:
         print(msg, file=sys.stderr, flush=True)
@@ -162,6 +192,7 @@ def run(args) -> int:
     else:
         prompt = ""
     sampler = _sampler(args)  # validate flags before the slow load
+    spec_options, refs = _spec_args(args)
     path = _model_path(args)
 
     import fucina_jax
@@ -177,7 +208,13 @@ def run(args) -> int:
     ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True)
     if not ids:
         raise CLIError("the prompt is empty and the model adds no BOS token: give --prompt")
-    gen = generate(model, ids, max_tokens=args.gen, sampler=sampler, ctx=ctx)
+    if spec_options is not None:
+        from fucina_jax.spec import generate_speculative
+
+        gen = generate_speculative(model, ids, max_tokens=args.gen, sampler=sampler, ctx=ctx, references=refs,
+                                   options=spec_options)
+    else:
+        gen = generate(model, ids, max_tokens=args.gen, sampler=sampler, ctx=ctx)
     stream = model.tokenizer.stream_decoder()
     out = sys.stdout
     for tok in gen:
@@ -195,6 +232,10 @@ def run(args) -> int:
     _log(args, f"prompt: {result.n_prompt} tokens, {result.prompt_tps:.1f} tok/s | "
                f"decode: {result.n_gen} tokens, {result.decode_tps:.1f} tok/s | "
                f"compile: {result.compile_seconds:.1f} s | stop: {result.stop_reason}")
+    if result.spec is not None:
+        _log(args, result.spec["summary"])
+        if "sources_summary" in result.spec:
+            _log(args, result.spec["sources_summary"])
     if args.json:
         d = result.to_json()
         d.update(model=path, load_seconds=getattr(model, "load_seconds", None))

@@ -1,13 +1,14 @@
 """Measure the verify economics: cost of one fused verify+sample step of width k in plain decode-step units.
 
     python scripts/measure_verify_cost.py [--model PATH] [--ctx 4096] [--prompt-len 128] [--reps 7]
-                                          [--rounds 3] [--sampler greedy|default]
+                                          [--rounds 5] [--sampler greedy|default]
 
-For each verify width k in engine.VERIFY_BUCKETS: best-of-`reps` wall time of spec.steps.verify_sample_step after a
-warm-up (compile) call, divided by the best-of-`reps` wall time of engine.decode_sample_step on the same cache
-state. Plain and verify timings are interleaved per round, and the ratio reported is the median over `rounds`
-rounds, so a burst of load from other processes skews one round, not the table. The output is what
-fucina_jax.spec.gate.DEFAULT_COST_TABLE ships (key = draft slots = k - 1, see gate.py).
+For each verify width k in engine.VERIFY_BUCKETS, after a warm-up (compile) call of every step: `reps` pairs of
+(engine.decode_sample_step, spec.steps.verify_sample_step) calls, interleaved call by call on the same cache state,
+give C(k) = best verify time / best plain time of that round. Interleaving makes both bests come from the same
+few seconds, so load from other processes (this machine is shared) hits numerator and denominator alike; the
+table is the median over `rounds` rounds. The output is what fucina_jax.spec.gate.DEFAULT_COST_TABLE ships
+(key = draft slots = k - 1, see gate.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from fucina_jax.spec.steps import verify_sample_step  # noqa: E402
 DEFAULT_CTX = 4096
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_REPS = 7
-DEFAULT_ROUNDS = 3
+DEFAULT_ROUNDS = 5
 
 
 def main() -> None:
@@ -58,12 +59,12 @@ def main() -> None:
     _, cache = model.prefill(prompt, cache)
     base = int(cache.length[0])
 
+    last = jnp.asarray([prompt[-1]], jnp.int32)
+
     def plain(cache):
         t0 = time.perf_counter()
-        tok, cache, _ = engine.decode_sample_step(
-            model.params, jnp.asarray([prompt[-1]], jnp.int32), cache, history, sparams, model.config, cap
-        )
-        int(tok[0])
+        tok, cache, _ = engine.decode_sample_step(model.params, last, cache, history, sparams, model.config, cap)
+        np.asarray(tok)
         return time.perf_counter() - t0, truncate(cache, base)
 
     def verify(cache, k):
@@ -76,28 +77,27 @@ def main() -> None:
         np.asarray(sampled)
         return time.perf_counter() - t0, truncate(cache, base)
 
-    def best(fn, cache, *a):
-        times = []
-        for _ in range(args.reps):
-            t, cache = fn(cache, *a)
-            times.append(t)
-        return min(times), cache
-
+    load_before = os.getloadavg()[0]
     _, cache = plain(cache)  # warm-up: compile
     for k in engine.VERIFY_BUCKETS:
         _, cache = verify(cache, k)
     ratios: dict[int, list[float]] = {k: [] for k in engine.VERIFY_BUCKETS}
     plains = []
     for r in range(args.rounds):
-        p, cache = best(plain, cache)
-        plains.append(p)
         for k in engine.VERIFY_BUCKETS:
-            v, cache = best(verify, cache, k)
-            ratios[k].append(v / p)
-        print(f"round {r}: plain {p * 1e3:.1f} ms; " + ", ".join(
+            tp, tv = [], []
+            for _ in range(args.reps):
+                t, cache = plain(cache)
+                tp.append(t)
+                t, cache = verify(cache, k)
+                tv.append(t)
+            plains.append(min(tp))
+            ratios[k].append(min(tv) / min(tp))
+        print(f"round {r}: plain {min(plains[-len(ratios):]) * 1e3:.1f} ms; " + ", ".join(
             f"k={k} {ratios[k][-1]:.2f}" for k in engine.VERIFY_BUCKETS), flush=True)
     print(f"\n{os.path.basename(model.path)}  ctx={args.ctx}  cached={base}  sampler={args.sampler}  "
-          f"plain step {statistics.median(plains) * 1e3:.1f} ms  loadavg {os.getloadavg()[0]:.2f}  "
+          f"plain step {statistics.median(plains) * 1e3:.1f} ms  loadavg {load_before:.2f} -> "
+          f"{os.getloadavg()[0]:.2f}  "
           f"jax {jax.__version__}")
     print("width k  draft slots  C(k) plain steps (median of rounds)")
     for k in engine.VERIFY_BUCKETS:

@@ -155,3 +155,24 @@ def test_reference_document_is_drafted(gemma3, plain):
     ref0 = [s for s in res.spec["sources"] if s["name"] == "ref0"][0]
     assert ref0["accepted"] > 0, res.spec["sources_summary"]
     assert "ref0" in res.spec["sources_summary"]
+
+
+def test_cli_spec_ref_document_the_model_quotes(gemma3_path, plain, tmp_path, capsys):
+    """`--spec --spec-ref FILE`: the same tokens as the plain run and reference-source acceptance > 0 in the
+    statistics (stderr and --json) for a document holding the text the model then writes."""
+    import json
+
+    from fucina_jax import cli
+
+    ref = plain("story")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("From an old book:" + ref.text + "\nThe end.\n", encoding="utf-8")
+    argv = [gemma3_path, "--prompt", PROMPTS["story"][0], "--gen", str(PROMPTS["story"][1]), "--temperature", "0",
+            "--top-k", "20", "--ctx", str(CTX), "--spec", "--spec-ref", str(doc), "--json"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr()
+    res = json.loads(out.out)
+    assert res["tokens"] == ref.tokens
+    ref0 = [s for s in res["spec"]["sources"] if s["name"] == "ref0"][0]
+    assert ref0["accepted"] > 0
+    assert f"ref0 {ref0['accepted']}/{ref0['drafted']}" in out.err and "spec: steps=" in out.err
