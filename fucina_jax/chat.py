@@ -1,0 +1,563 @@
+"""Multi-turn chat: a `Conversation` over one KV cache, with optional lossless speculation and a REPL.
+
+Each turn renders the whole conversation with the model's chat template (the file's own, else the family fallback),
+keeps the longest prefix of the new rendering that is already committed (in the KV cache and the draft index) and
+prefills only the rest. When the rendering diverges from the committed stream (the template trims the previous
+reply, or re-encoding the reply text merges tokens differently) the cache is truncated at the divergence point and
+re-prefilled from there, so the model always sees exactly the tokens a fresh prefill of the rendering would give.
+
+Speculation (design record sections 7-9): the conversation owns one `SpeculationIndex` and one decoder for its whole
+life, so the conversation suffix automaton, the reference cursors, the recycling matrix and the cost gate carry over
+between turns. The decoder sees the index through a `TurnGate`, which keeps the index's stream byte-exact with the
+committed conversation: tokens a turn's trim discards (a stop marker, anything past a stop, what an interrupt left
+uncommitted) are never observed, and the index's pending-draft accounting is cut to match
+(`SpeculationIndex.truncate_pending`).
+
+Stops: the tokenizer's end-of-generation ids, the template's turn-end marker when it is one token, `extra_stop_ids`
+(token ids: the decoder cuts at them inside a verify, so they are safe with speculation) and `stop_sequences`
+(text-level, without speculation only: see `ChatOptions.validate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from fucina_jax.chat_template import ChatTemplate, chat_template_for, encode_chat
+from fucina_jax.errors import ChatOptionsError, ContextFullError
+from fucina_jax.sampling import SamplerConfig
+
+__all__ = ["ChatOptions", "Conversation", "Reply", "TurnGate", "repl"]
+
+DEFAULT_MAX_TOKENS = 512  # generated tokens per turn
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """How a Conversation generates. `sampler` None = SamplerConfig() (llama.cpp's defaults, a random seed fixed
+    once for the conversation); `ctx` None = the model's default context; `system` opens the conversation."""
+
+    sampler: SamplerConfig | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    ctx: int | None = None
+    system: str | None = None
+    speculation: bool = False
+    spec_options: object | None = None  # fucina_jax.spec.SpecOptions; None = its defaults
+    extra_stop_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[str, ...] = ()
+    template: ChatTemplate | None = None  # None = chat_template_for(model.tokenizer)
+    clock: bool = True  # feed wall-clock step costs to the cost gate (False: the static cost table only)
+
+    def validate(self, n_vocab: int) -> ChatOptions:
+        if self.max_tokens < 1:
+            raise ChatOptionsError(f"max_tokens = {self.max_tokens}: a turn generates at least one token")
+        bad = [t for t in self.extra_stop_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < n_vocab]
+        if bad:
+            raise ChatOptionsError(f"extra_stop_ids {bad} are not token ids of this model (0..{n_vocab - 1})")
+        if any(not isinstance(s, str) or not s for s in self.stop_sequences):
+            raise ChatOptionsError(f"stop_sequences must be non-empty strings; got {self.stop_sequences!r}")
+        if self.stop_sequences and self.speculation:
+            # Design record addendum: a text stop can complete on a token accepted in the middle of a verify batch,
+            # after the decoder has already committed (and pushed into the penalty history, the index and the
+            # cache) the tokens behind it in the same batch - rows the plain loop never draws, because it stops
+            # one token after the sequence completes. That breaks the one-RNG-draw-per-committed-token contract.
+            # Token-id stops do not: the decoder checks them row by row before committing.
+            raise ChatOptionsError(
+                "stop_sequences cannot be combined with speculation: a stop sequence completed by a token accepted "
+                "mid-verify would commit draws past it that plain decoding never makes (the one-draw-per-committed-"
+                "token contract). Use extra_stop_ids (token ids, checked per verified row) or turn speculation off"
+            )
+        return dataclasses.replace(self, sampler=(self.sampler or SamplerConfig()).validate(),
+                                   extra_stop_ids=tuple(int(t) for t in self.extra_stop_ids),
+                                   stop_sequences=tuple(self.stop_sequences))
+
+
+@dataclasses.dataclass
+class Reply:
+    """One assistant turn. `tokens` are the kept generated ids (what the conversation committed), `text` the reply
+    stored in the conversation; `n_prefilled` prompt tokens were computed this turn, `n_reused` came from the
+    cache."""
+
+    text: str
+    tokens: list[int]
+    stop_reason: str  # "stop" (an end-of-generation or extra stop id) | "stop_sequence" | "max_tokens" | "context"
+    #                   | "interrupted" (KeyboardInterrupt, an error, or the stream closed early)
+    n_prefilled: int
+    n_reused: int
+    seconds: float
+
+
+class _NoDrafts:
+    """The source of a conversation without speculation (the decoder runs with SpecOptions(enabled=False) and
+    never asks it for a draft)."""
+
+    wants_topk = False
+
+    def suggest(self, context, buf) -> int:
+        return 0
+
+    def observe(self, committed) -> None:
+        pass
+
+    def observe_topk(self, rows) -> None:
+        pass
+
+
+class TurnGate:
+    """The decoder's view of the conversation index: forwards drafts, holds back the latest committed slice.
+
+    The decoder shows every committed slice to its source at once, but only the chat loop knows whether the turn
+    keeps it (a stop sequence, the turn limit or an interrupt may cut it). So the gate forwards each slice (and its
+    top-K rows) to the index only when the next one arrives or the next draft is asked for, and `end_turn(keep)`
+    settles the last one: the part past the conversation's kept length is dropped and the index's pending draft is
+    cut to what was kept, so those tokens count as neither accepted nor rejected. `sync(stream)` then brings the
+    index to exactly the committed conversation: it observes the new turn's tokens, or rebuilds the index (same
+    references) when the committed stream no longer extends what the index has seen.
+    """
+
+    def __init__(self, vocab_size: int, index_factory=None):
+        from fucina_jax.index import SpeculationIndex
+
+        self._factory = index_factory or (lambda: SpeculationIndex(vocab_size))
+        self.index = self._factory()
+        self._refs: list[np.ndarray] = []
+        self._held: np.ndarray | None = None
+        self._held_topk: np.ndarray | None = None
+        self.rebuilds = 0
+
+    # ---- DraftSource ------------------------------------------------------------------------------------
+
+    @property
+    def wants_topk(self) -> bool:
+        return bool(getattr(self.index, "wants_topk", False))
+
+    def suggest(self, context: np.ndarray, buf: np.ndarray) -> int:
+        self._flush()
+        return self.index.suggest(context, buf)
+
+    def observe(self, committed: np.ndarray) -> None:
+        self._flush()
+        self._held = np.array(committed, np.int32)
+
+    def observe_topk(self, rows: np.ndarray) -> None:
+        self._held_topk = np.array(rows)
+
+    # ---- turns ------------------------------------------------------------------------------------------
+
+    def end_turn(self, keep: int) -> None:
+        """The conversation keeps `keep` stream tokens: forward the held slice up to there, drop the rest."""
+        held, rows = self._held, self._held_topk
+        self._held = self._held_topk = None
+        base = self.index.n_committed
+        if held is None:
+            self.index.truncate_pending(0)  # a draft whose verify never committed (an interrupt)
+            return
+        k = max(0, min(len(held), keep - base))
+        # The turn ended after this slice (a stop, the limit, an interrupt, a trim): draft tokens past the kept
+        # part were never committed, so their outcome is unknown - not a rejection.
+        self.index.truncate_pending(k)
+        self.index.observe(held[:k])
+        if rows is not None and k:
+            # rows[j] belongs to held[len(held) - len(rows) + j]; keep the ones of the kept tokens
+            first = len(held) - len(rows)
+            rows = rows[: max(0, k - first)]
+            if len(rows):
+                self.index.observe_topk(rows)
+
+    def sync(self, stream: np.ndarray) -> None:
+        """Make the index's observed stream equal `stream` (the committed conversation)."""
+        self._flush()
+        seen = self.index.stream()
+        if len(seen) <= len(stream) and np.array_equal(seen, stream[: len(seen)]):
+            if len(stream) > len(seen):
+                self.index.observe(np.asarray(stream[len(seen):], np.int32))
+            return
+        # The conversation was cut before tokens the index already learned (a re-rendered previous reply, a
+        # stop sequence reaching back over earlier slices): an online suffix automaton cannot forget, so rebuild.
+        self.rebuilds += 1
+        self.index = self._factory()
+        for ref in self._refs:
+            self.index.add_reference(ref)
+        if len(stream):
+            self.index.observe(np.asarray(stream, np.int32))
+
+    def add_reference(self, tokens: np.ndarray) -> int:
+        self._flush()
+        n = self.index.add_reference(tokens)
+        self._refs.append(np.asarray(tokens, np.int32))
+        return n
+
+    def clear_references(self) -> None:
+        self._flush()
+        self.index.clear_references()
+        self._refs.clear()
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, rows = self._held, self._held_topk
+            self._held = self._held_topk = None
+            self.index.observe(held)
+            if rows is not None:
+                self.index.observe_topk(rows)
+
+
+@functools.cache
+def _turn_decoder_class():
+    from fucina_jax import sampling
+    from fucina_jax.models import truncate
+    from fucina_jax.spec import SpeculativeDecoder
+
+    class TurnDecoder(SpeculativeDecoder):
+        """SpeculativeDecoder that continues over its cache across turns (`resume`) and can drop committed tokens
+        (`rewind`). Same invariant between steps: stream[:n] committed, the cache holds positions 0..n-2."""
+
+        def resume(self, keep: int, ids: np.ndarray):
+            """Make the stream `ids`, reusing the cache for ids[:keep] (which must equal stream[:keep]); prefill
+            the rest and return the logits after the last id. The source is not shown anything (TurnGate.sync)."""
+            ids = np.asarray(ids, np.int32)
+            if not 0 < ids.size < self.ctx:
+                raise ContextFullError(
+                    f"the conversation has {ids.size} tokens but the context holds {self.ctx}: use a larger --ctx, "
+                    "or /reset the conversation"
+                )
+            cache = self.cache
+            c = min(keep, self._cache_len) if cache is not None else 0
+            c = min(c, ids.size - 1)  # at least one id to prefill: its logits pick the first reply token
+            if cache is None:
+                cache = self.model.new_cache(self.ctx)
+            self.cache = None
+            self.n = 0  # until the prefill is done, nothing in the cache can be trusted
+            self._cache_len = 0
+            logits, cache = self.model.prefill(ids[c:], truncate(cache, c))
+            self.cache = cache
+            self._cache_len = int(ids.size)
+            self.stream[: ids.size] = ids
+            self.n = int(ids.size)
+            self.history = sampling.history_from_tokens(ids.tolist(), self.sampler.history_capacity(self.ctx))
+            return logits
+
+        def rewind(self, n: int) -> None:
+            """Drop committed tokens past n (the cache follows; the history is rebuilt by the next resume)."""
+            if n < self.n:
+                self.n = n
+                if self.cache is not None:
+                    self._settle_cache()
+
+    return TurnDecoder
+
+
+class Conversation:
+    """A multi-turn chat with one model over one KV cache; see the module docstring.
+
+    `send(text)` runs a turn and returns its Reply; `stream(text)` yields the reply's text as it is generated (its
+    Reply is `last_reply` afterwards). An exception or KeyboardInterrupt during a turn, or closing the stream
+    early, ends the turn with what was committed so far: the conversation stays usable.
+    """
+
+    def __init__(self, model, options: ChatOptions | None = None, **kw):
+        if options is not None and kw:
+            raise TypeError("pass either options= or keyword options, not both")
+        self.model = model
+        self.options = (options or ChatOptions(**kw)).validate(model.config.n_vocab)
+        o = self.options
+        tok = model.tokenizer
+        self.template = o.template or chat_template_for(tok)
+        self.ctx = int(o.ctx or model.default_ctx)
+        stops = set(tok.eog_ids) | set(o.extra_stop_ids)
+        end_id = tok.token_id(self.template.turn_end) if self.template.turn_end else None
+        if end_id is not None:
+            stops.add(end_id)
+        self.stop_ids = frozenset(stops)
+        self._refs: list[np.ndarray] = []
+        self.last_reply: Reply | None = None
+        self.reset()
+
+    # ---- public API -------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Start over (no messages, an empty cache and index, fresh statistics); reference documents stay."""
+        from fucina_jax.spec import SpecOptions
+
+        o = self.options
+        self.messages: list[dict] = [{"role": "system", "content": o.system}] if o.system is not None else []
+        if o.speculation:
+            self.gate: TurnGate | None = TurnGate(self.model.config.n_vocab)
+            for ref in self._refs:
+                self.gate.add_reference(ref)
+            source, spec_options = self.gate, o.spec_options or SpecOptions()
+        else:
+            self.gate = None
+            source, spec_options = _NoDrafts(), SpecOptions(enabled=False)
+        clock = time.perf_counter_ns if o.clock else None
+        self.decoder = _turn_decoder_class()(self.model, source, sampler=o.sampler, ctx=self.ctx,
+                                             options=spec_options, clock=clock)
+        self.turns = 0
+        self.n_prefilled = 0
+        self.n_reused = 0
+        self.n_generated = 0
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The committed conversation stream (prompt turns and kept replies), int32."""
+        return self.decoder.stream[: self.decoder.n].copy()
+
+    def send(self, text: str) -> Reply:
+        for _ in self.stream(text):
+            pass
+        return self.last_reply
+
+    def stream(self, text: str) -> Iterator[str]:
+        """Run one turn for the user message `text`, yielding the reply text as it is committed."""
+        if not isinstance(text, str):
+            raise TypeError(f"a user message is a str, got {type(text).__name__}")
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids = np.asarray(encode_chat(self.model.tokenizer, self.messages, template=self.template), np.int32)
+            if ids.size >= self.ctx:
+                raise ContextFullError(
+                    f"the conversation has {ids.size} tokens but the context holds {self.ctx}: use a larger --ctx, "
+                    "or /reset the conversation"
+                )
+        except BaseException:
+            self.messages.pop()
+            raise
+        return self._turn(ids)
+
+    def add_spec_reference(self, doc: str | Sequence[int]) -> int:
+        """Index a reference document (text is encoded with the model's tokenizer, no BOS); returns its number.
+        It matches the conversation so far at once and drafts from the next step on."""
+        if self.gate is None:
+            raise ChatOptionsError("reference documents feed speculation: create the Conversation with "
+                                   "speculation=True (--spec)")
+        ids = self.model.tokenizer.encode(doc, add_special=False) if isinstance(doc, str) else list(doc)
+        arr = np.asarray(ids, np.int32)
+        n = self.gate.add_reference(arr)
+        self._refs.append(arr)
+        return n
+
+    def clear_spec_references(self) -> None:
+        self._refs.clear()
+        if self.gate is not None:
+            self.gate.clear_references()
+
+    def stats(self) -> dict:
+        """Counts over the conversation since the last reset, plus the decoder's and the index's statistics."""
+        out = dict(turns=self.turns, tokens=int(self.decoder.n), prefilled=self.n_prefilled, reused=self.n_reused,
+                   generated=self.n_generated, prefill_seconds=round(self.prefill_seconds, 3),
+                   decode_seconds=round(self.decode_seconds, 3), ctx=self.ctx)
+        if self.gate is not None:
+            out["spec"] = self.decoder.spec_stats()
+            out["spec"]["sources_summary"] = self.gate.index.summary()
+            out["index_rebuilds"] = self.gate.rebuilds
+        return out
+
+    def stats_summary(self) -> str:
+        s = self.stats()
+        lines = [f"chat: turns={s['turns']} tokens={s['tokens']}/{s['ctx']} prefilled={s['prefilled']} "
+                 f"reused={s['reused']} generated={s['generated']} "
+                 f"decode={s['generated'] / s['decode_seconds'] if s['decode_seconds'] else 0.0:.1f} tok/s"]
+        if "spec" in s:
+            lines += [s["spec"]["summary"], s["spec"]["sources_summary"]]
+        return "\n".join(lines)
+
+    # ---- one turn ---------------------------------------------------------------------------------------
+
+    def _turn(self, ids: np.ndarray) -> Iterator[str]:
+        dec = self.decoder
+        o = self.options
+        tok = self.model.tokenizer
+        t_start = time.perf_counter()
+        # The longest committed prefix of the new rendering: the cache (and index) keep it, the rest is prefilled.
+        n_old = dec.n if dec.cache is not None else 0
+        m = min(n_old, ids.size)
+        diff = np.flatnonzero(dec.stream[:m] != ids[:m])
+        keep = int(diff[0]) if diff.size else m
+        try:
+            logits = dec.resume(keep, ids)
+        except BaseException:
+            self.messages.pop()
+            self._recover()
+            raise
+        reused = min(keep, ids.size - 1)
+        self.n_reused += reused
+        self.n_prefilled += int(ids.size) - reused
+        t_prefill = time.perf_counter()
+        self.prefill_seconds += t_prefill - t_start
+        if self.gate is not None:
+            self.gate.sync(ids)
+
+        base = int(ids.size)
+        gen: list[int] = []
+        stop = "max_tokens"
+        text = ""  # the reply text so far
+        shown = 0  # characters of text already yielded
+        hold = max((len(s) for s in o.stop_sequences), default=1) - 1  # a stop may still be completing there
+        cut: int | None = None  # where a stop sequence starts in text
+        sdec = tok.stream_decoder()
+        try:
+            committed, stopped = dec.bootstrap(logits, self.stop_ids)
+            while True:
+                for t in committed:
+                    gen.append(t)
+                    text += sdec.feed(t)
+                if o.stop_sequences:
+                    # a completed stop can only start in the text not searched before
+                    lo = max(0, shown - hold)
+                    hits = [i for i in (text.find(s, lo) for s in o.stop_sequences) if i >= 0]
+                    if hits:
+                        cut = min(hits)
+                        stop = "stop_sequence"
+                        if cut > shown:
+                            yield text[shown:cut]
+                            shown = cut
+                        break
+                safe = len(text) - hold if o.stop_sequences else len(text)
+                if safe > shown:
+                    yield text[shown:safe]
+                    shown = safe
+                if stopped:
+                    stop = "stop"
+                    break
+                if len(gen) >= o.max_tokens:
+                    break
+                if base + len(gen) >= self.ctx:
+                    stop = "context"
+                    break
+                limit = min(o.max_tokens - len(gen), self.ctx - base - len(gen))
+                committed, stopped = dec.step(limit, self.stop_ids)
+            if cut is None:
+                text += sdec.flush()
+                if len(text) > shown:
+                    yield text[shown:]
+                    shown = len(text)
+        except BaseException:  # KeyboardInterrupt, the consumer closing the stream (GeneratorExit), an error
+            stop = "interrupted"
+            raise
+        finally:
+            self._end_turn(base, gen, text if cut is None else text[:cut], stop, reused, t_start, t_prefill)
+
+    def _end_turn(self, base: int, gen: list[int], text: str, stop: str, reused: int, t_start: float,
+                  t_prefill: float) -> None:
+        """Commit the turn: keep the generated tokens the reply text covers, trim the decoder and the index to
+        them, store the reply."""
+        tok = self.model.tokenizer
+        dec = self.decoder
+        if stop == "stop_sequence":
+            # keep the tokens whose bytes lie wholly inside the trimmed text; a token straddling the cut is
+            # dropped and the next turn re-prefills the reply text as the template renders it
+            budget = len(text.encode("utf-8"))
+            kept, used = 0, 0
+            for t in gen:
+                used += len(tok.token_to_bytes(t))
+                if used > budget:
+                    break
+                kept += 1
+            gen = gen[:kept]
+        elif stop == "interrupted":
+            text = tok.decode(gen)  # an interrupt may land between commit and display: store what was committed
+        self._recover()
+        dec.rewind(min(dec.n, base + len(gen)))
+        if self.gate is not None:
+            self.gate.end_turn(dec.n)
+        self.messages.append({"role": "assistant", "content": text})
+        self.turns += 1
+        self.n_generated += len(gen)
+        self.decode_seconds += time.perf_counter() - t_prefill
+        self.last_reply = Reply(text=text, tokens=list(gen), stop_reason=stop, n_prefilled=base - reused,
+                                n_reused=reused, seconds=time.perf_counter() - t_start)
+
+    def _recover(self) -> None:
+        """After an interrupt the cache buffers may have been donated to a step that never returned: drop them
+        (the next turn re-prefills the committed stream from position 0)."""
+        import jax
+
+        dec = self.decoder
+        if dec.cache is None or any(getattr(x, "is_deleted", lambda: False)()
+                                    for x in jax.tree_util.tree_leaves(dec.cache)):
+            dec.cache = None
+            dec._cache_len = 0
+
+
+# ---- the REPL -------------------------------------------------------------------------------------------------
+
+REPL_HELP = """commands: /ref FILE (add a reference document, needs --spec), /stats, /reset, /quit, /help
+Ctrl-C stops the reply being generated; Ctrl-D (EOF) exits."""
+
+
+def repl(conv: Conversation, *, out=None, err=None, prompt: str = "> ", read=input) -> int:
+    """Interactive chat on a terminal: each line is a user turn, its reply streams to `out`."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    print(REPL_HELP, file=err, flush=True)
+    while True:
+        try:
+            line = read(prompt)
+        except EOFError:
+            out.write("\n")
+            out.flush()
+            return 0
+        except KeyboardInterrupt:
+            out.write("\n")  # Ctrl-C at the prompt drops the line
+            out.flush()
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            arg = arg.strip()
+            if cmd == "/quit":
+                return 0
+            if cmd == "/help":
+                print(REPL_HELP, file=err, flush=True)
+            elif cmd == "/stats":
+                print(conv.stats_summary(), file=err, flush=True)
+            elif cmd == "/reset":
+                conv.reset()
+                print("conversation reset", file=err, flush=True)
+            elif cmd == "/ref":
+                _repl_ref(conv, arg, err)
+            else:
+                print(f"unknown command {cmd}; {REPL_HELP}", file=err, flush=True)
+            continue
+        turn = None
+        try:
+            turn = conv.stream(line)
+            for piece in turn:
+                out.write(piece)
+                out.flush()
+            out.write("\n")
+        except KeyboardInterrupt:
+            if turn is not None:
+                turn.close()  # ends the turn with what was committed (a no-op if it already ended)
+            out.write("\n")
+            print("[interrupted]", file=err, flush=True)
+        except ContextFullError as e:
+            print(f"error: {e}", file=err, flush=True)
+        out.flush()
+
+
+def _repl_ref(conv: Conversation, path: str, err) -> None:
+    if not path:
+        print("usage: /ref FILE", file=err, flush=True)
+        return
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: cannot read {path}: {e}", file=err, flush=True)
+        return
+    try:
+        n = conv.add_spec_reference(text)
+    except (ChatOptionsError, ValueError) as e:
+        print(f"error: {e}", file=err, flush=True)
+        return
+    print(f"reference {n} added: {path}", file=err, flush=True)
