@@ -192,8 +192,8 @@ def capture(rows_out):
 def test_replay_equivalence_of_sampler_inputs(qwen3):
     """At every commit position the speculative run's row equals the plain run's row for the same prefix.
 
-    Measured on this fixture: max |spec - plain| = 0 for verify row 0 and plain steps, <= ~3e-6 for rows of
-    wider verifies (XLA's f32 dot reassociates with the row count); asserted at 1e-4 (rows span ~10 units).
+    Measured on this fixture: the first token's row is bitwise equal, verify rows differ by up to ~7e-6 (XLA's
+    f32 dot products reassociate with the row count) on rows spanning ~13-16 units; asserted at 1e-4.
     """
     prompt = ids(qwen3, "digits")
     plain = plain_run(qwen3, prompt, sampler=SAMPLED)
