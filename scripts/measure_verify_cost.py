@@ -20,15 +20,15 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import fucina_jax  # noqa: E402
-from fucina_jax import engine, sampling  # noqa: E402
-from fucina_jax.models import truncate  # noqa: E402
-from fucina_jax.sampling import SamplerConfig  # noqa: E402
-from fucina_jax.spec.steps import verify_sample_step  # noqa: E402
+import fucina_jax
+from fucina_jax import engine, sampling
+from fucina_jax.models import truncate
+from fucina_jax.sampling import SamplerConfig
+from fucina_jax.spec.steps import verify_sample_step
 
 DEFAULT_CTX = 4096
 DEFAULT_PROMPT_LEN = 128

@@ -7,18 +7,23 @@ step to verify.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
+from spec_helpers import ScriptedSource, all_sources, alternating, garbage, perfect
 
 from fucina_jax import engine, sampling
 from fucina_jax.errors import ContextFullError, DraftSourceError, SpecOptionsError
 from fucina_jax.generate import generate
 from fucina_jax.index import SpeculationIndex
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec import CostPoint, SpecOptions, SpeculativeDecoder, generate_speculative, steps
-from spec_helpers import ScriptedSource, all_sources, alternating, garbage, perfect
+from fucina_jax.spec import (
+    CostPoint,
+    SpecOptions,
+    SpeculativeDecoder,
+    generate_speculative,
+    steps,
+)
 
 CTX = 128
 GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)  # top_k 20: same candidate cap as SAMPLED
@@ -245,18 +250,17 @@ def test_penalties_condition_on_the_hypothetical_prefix(qwen3):
     cap = SAMPLED.candidate_cap(qwen3.config.n_vocab)
     W = SAMPLED.history_capacity(CTX)
     params = SAMPLED.params()
+
+    def pick(row, p, prefix):
+        h = sampling.history_from_tokens(prefix, W)
+        return int(sampling.sample_rows(jnp.asarray(row[None]), jnp.asarray([p], jnp.int32), h, None, params,
+                                        cap=cap)[0])
+
     changed = 0
     for p, i, row in got:
-        if i == 0:
-            continue
-
-        def pick(prefix):
-            h = sampling.history_from_tokens(prefix, W)
-            return int(sampling.sample_rows(jnp.asarray(row[None]), jnp.asarray([p], jnp.int32), h, None, params,
-                                            cap=cap)[0])
-
-        assert pick(truth[:p]) == truth[p]  # the history the decoder used: committed + accepted drafts
-        changed += pick(truth[: p - i]) != truth[p]  # stale: the history at the start of the verify
+        if i > 0:
+            assert pick(row, p, truth[:p]) == truth[p]  # the history the decoder used: committed + accepted drafts
+            changed += pick(row, p, truth[: p - i]) != truth[p]  # stale: the history at the start of the verify
     assert changed >= 1
 
 
@@ -315,7 +319,7 @@ def test_source_observe_failure_leaves_cache_settled(qwen3):
     truth = prompt + plain.tokens
     src = ScriptedSource(perfect(truth))
     dec = SpeculativeDecoder(qwen3, src, sampler=GREEDY, ctx=CTX, options=ALWAYS)
-    committed, _ = dec.bootstrap(dec.begin(prompt), ())
+    dec.bootstrap(dec.begin(prompt), ())
     real_observe = src.observe
     src.observe = lambda c: (_ for _ in ()).throw(RuntimeError("observe failed"))
     with pytest.raises(RuntimeError):
@@ -399,5 +403,5 @@ def test_reference_documents_are_drafted(qwen3):
     src = SpeculationIndex(qwen3.config.n_vocab, recycling=False)
     res = spec_run(qwen3, prompt, src, references=[plain.tokens[5:50]], options=None)
     assert res.tokens == plain.tokens
-    ref = [s for s in res.spec["sources"] if s["name"] == "ref0"][0]
+    ref = next(s for s in res.spec["sources"] if s["name"] == "ref0")
     assert ref["accepted"] > 0, res.spec["sources_summary"]

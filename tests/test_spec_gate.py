@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from fucina_jax.engine import VERIFY_BUCKETS
 from fucina_jax.errors import (
     CostTableEmpty,
     ProbeStepsZero,
@@ -13,8 +14,14 @@ from fucina_jax.errors import (
     ReprobeAfterZero,
     SpecOptionsError,
 )
-from fucina_jax.spec import DEFAULT_COST_TABLE, MAX_DRAFT, CostGate, CostPoint, SpecOptions, table_cost
-from fucina_jax.engine import VERIFY_BUCKETS
+from fucina_jax.spec import (
+    DEFAULT_COST_TABLE,
+    MAX_DRAFT,
+    CostGate,
+    CostPoint,
+    SpecOptions,
+    table_cost,
+)
 
 C8 = CostPoint(8, 2.84)
 TABLE = (CostPoint(2, 1.65), CostPoint(4, 1.42), C8, CostPoint(16, 4.5))  # the record's shape, for exact numbers

@@ -8,17 +8,15 @@ uses one context size and one candidate cap so the compiled programs are shared 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from spec_helpers import ScriptedSource, all_sources, alternating
 
 from fucina_jax import engine, sampling
 from fucina_jax.generate import generate
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.spec import SpecOptions, SpeculativeDecoder, generate_speculative
-from spec_helpers import ScriptedSource, all_sources, alternating
 
 CTX = 512
 GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)
@@ -29,8 +27,8 @@ SAMPLED = SamplerConfig(
 ALWAYS = SpecOptions(min_speedup=0.0, adapt_budget=False)
 # (prompt, max_tokens): lists repeat themselves (the conversation index drafts), the story does not
 PROMPTS = {
-    "days": ("The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday. "
-             "The days of the week are", 320),
+    "days": (("The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday. "
+              "The days of the week are"), 320),
     "code": ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", 48),
     "story": ("Once upon a time, in a small village by the sea,", 48),
     "count": ("Count from 1 to 100, separated by commas: 1, 2, 3,", 48),
@@ -153,7 +151,7 @@ def test_reference_document_is_drafted(gemma3, plain):
     doc = gemma3.tokenizer.decode(ref.tokens[2:])
     res = spec(gemma3, "story", references=[doc])
     assert res.tokens == ref.tokens
-    ref0 = [s for s in res.spec["sources"] if s["name"] == "ref0"][0]
+    ref0 = next(s for s in res.spec["sources"] if s["name"] == "ref0")
     assert ref0["accepted"] > 0, res.spec["sources_summary"]
     assert "ref0" in res.spec["sources_summary"]
 
@@ -174,6 +172,6 @@ def test_cli_spec_ref_document_the_model_quotes(gemma3_path, plain, tmp_path, ca
     out = capsys.readouterr()
     res = json.loads(out.out)
     assert res["tokens"] == ref.tokens
-    ref0 = [s for s in res["spec"]["sources"] if s["name"] == "ref0"][0]
+    ref0 = next(s for s in res["spec"]["sources"] if s["name"] == "ref0")
     assert ref0["accepted"] > 0
     assert f"ref0 {ref0['accepted']}/{ref0['drafted']}" in out.err and "spec: steps=" in out.err

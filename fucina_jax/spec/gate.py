@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 
 from fucina_jax.errors import (
@@ -137,7 +138,7 @@ def table_cost(table: tuple[CostPoint, ...], draft_len: int) -> float:
     """Static verify cost of a draft of `draft_len` tokens: linear between points, clamped at the ends."""
     if draft_len <= table[0].draft_len:
         return float(table[0].cost)
-    for a, b in zip(table, table[1:]):
+    for a, b in itertools.pairwise(table):
         if draft_len <= b.draft_len:
             t = (draft_len - a.draft_len) / (b.draft_len - a.draft_len)
             return float(a.cost + t * (b.cost - a.cost))

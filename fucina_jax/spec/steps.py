@@ -56,7 +56,7 @@ def verify_sample_step(
     commits. `wants_topk` and `with_logits` are static so neither the top-K nor the logits output is traced
     unless asked for (the logits are for the verify-row hook, a test/debug instrument).
     """
-    B, k = tokens.shape
+    k = tokens.shape[1]
     TRACE_COUNTS["verify_sample", tokens.shape, cap, wants_topk, with_logits] += 1
     in_pos = cache.length[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     h, cache = forward_hidden(params, tokens, in_pos, cache, cfg)
