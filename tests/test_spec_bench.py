@@ -11,7 +11,7 @@ import pytest
 
 from fucina_jax import engine
 from fucina_jax.errors import CostTableError, SpecOptionsError
-from fucina_jax.spec import CostGate, CostPoint, SpecOptions
+from fucina_jax.spec import DEFAULT_COST_TABLE, CostGate, CostPoint, SpecOptions
 from fucina_jax.spec.bench import (
     DEFAULT_TABLE_PATH,
     load_cost_table,
@@ -97,4 +97,5 @@ def test_shipped_default_table_is_probe_output():
     assert "spec.bench" in doc["command"] or "--spec-bench" in doc["command"]
     table = load_cost_table(DEFAULT_TABLE_PATH)
     assert [p.draft_len for p in table] == [w - 1 for w in engine.VERIFY_BUCKETS]
+    assert table == DEFAULT_COST_TABLE  # the gate's default is this file, not a typed-in copy
     CostGate(SpecOptions(cost_table=table))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -35,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import engine, sampling
-from fucina_jax.errors import CostTableError
 from fucina_jax.models import truncate
 from fucina_jax.sampling import SamplerConfig
+from fucina_jax.spec.cost_table import DEFAULT_TABLE_PATH, FORMAT, FORMAT_VERSION, read_cost_points
 from fucina_jax.spec.gate import CostPoint, SpecOptions
 from fucina_jax.spec.steps import verify_sample_step
 
@@ -56,10 +55,6 @@ __all__ = [
 DEFAULT_PROMPT_LEN = 128  # cached tokens while timing
 DEFAULT_REPS = 5  # (plain, verify) pairs per width per round; the best of each is kept
 DEFAULT_ROUNDS = 3  # rounds; the median ratio is reported
-FORMAT = "fucina_jax.cost_table"
-FORMAT_VERSION = 1
-# The shipped table (package data), produced by this probe on the embedded Gemma 3 270M.
-DEFAULT_TABLE_PATH = os.path.join(os.path.dirname(__file__), "default_cost_table.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,47 +232,10 @@ def save_cost_table(result: CostTableResult, path: str | os.PathLike) -> str:
 def load_cost_table(path: str | os.PathLike) -> tuple[CostPoint, ...]:
     """The gate's table from a --spec-bench JSON file: pass it as SpecOptions(cost_table=...).
 
-    Raises CostTableError naming the file and what is wrong with it.
+    Raises CostTableError (a SpecOptionsError) naming the file and what is wrong with it.
     """
-    path = os.fspath(path)
-    redo = "re-run --spec-bench to write a fresh one"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise CostTableError(f"cost table file not found: {path} ({redo}, or omit it to use the default)") from None
-    except OSError as e:
-        raise CostTableError(f"cannot read the cost table {path}: {e.strerror}") from None
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CostTableError(f"{path} is not a JSON cost table ({e}); {redo}") from None
-    if not isinstance(doc, dict) or "table" not in doc:
-        raise CostTableError(f"{path} has no 'table' list: it is not a --spec-bench cost table; {redo}")
-    if doc.get("format", FORMAT) != FORMAT or doc.get("version", FORMAT_VERSION) != FORMAT_VERSION:
-        raise CostTableError(
-            f"{path} is format {doc.get('format')!r} version {doc.get('version')!r}; this fucina_jax reads "
-            f"{FORMAT!r} version {FORMAT_VERSION}; {redo}"
-        )
-    entries = doc["table"]
-    if not isinstance(entries, list) or not entries:
-        raise CostTableError(f"{path}: 'table' must be a non-empty list of {{draft_len, cost}} entries; {redo}")
-    points = []
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict) or "draft_len" not in e or "cost" not in e:
-            raise CostTableError(f"{path}: table entry {i} = {e!r} needs the keys 'draft_len' and 'cost'")
-        d, c = e["draft_len"], e["cost"]
-        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-            raise CostTableError(f"{path}: table entry {i} has draft_len = {d!r}; it must be an integer >= 1")
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-            raise CostTableError(f"{path}: table entry {i} has cost = {c!r}; it must be a finite number > 0 "
-                                 "(plain decode steps per verify)")
-        if points and d <= points[-1].draft_len:
-            raise CostTableError(f"{path}: draft_len must strictly increase, but entry {i} has {d} after "
-                                 f"{points[-1].draft_len}")
-        points.append(CostPoint(d, float(c)))
-    table = tuple(points)
-    SpecOptions(cost_table=table).validate()  # the gate's own rules; the checks above make this pass
+    table = tuple(CostPoint(d, c) for d, c in read_cost_points(path))
+    SpecOptions(cost_table=table).validate()  # the gate's own rules; read_cost_points' checks make this pass
     return table
 
 

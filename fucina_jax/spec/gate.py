@@ -34,6 +34,7 @@ from fucina_jax.errors import (
     ReprobeAfterZero,
     SpecOptionsError,
 )
+from fucina_jax.spec.cost_table import DEFAULT_TABLE_PATH, read_cost_points
 
 __all__ = ["CostPoint", "DEFAULT_COST_TABLE", "MAX_DRAFT", "SpecOptions", "CostGate", "table_cost"]
 
@@ -46,23 +47,17 @@ class CostPoint:
     cost: float
 
 
-# Measured on the embedded Gemma 3 270M Q4_K_M (dequantized to f32) with
-#   python scripts/measure_verify_cost.py --sampler default      (ctx 4096, 128 cached tokens)
-# i.e. the fused verify+sample step of width k against the fused decode+sample step, calls interleaved, best of 7
-# pairs per round, median of 5 rounds; SamplerConfig() defaults (T 0.8, top-k 40, top-p 0.95, min-p 0.05), the
-# CLI's. 2025-11-29, jax 0.10.2 on a shared 2-core VM (load average 2.6-3.4 from other jobs, plain step ~160 ms).
-# Measured C(width 2, 4, 8, 16) = 0.99, 1.15, 1.37, 1.90; greedy (--sampler greedy): 0.97, 1.06, 1.28, 1.69.
-# The width-2 point is entered as 1.0: a verify never costs less than the plain step it replaces. On this CPU a
+# Measured on the embedded Gemma 3 270M Q4_K_M (dequantized to f32) by the --spec-bench probe (fucina_jax.spec.bench:
+# the fused verify+sample step of each width against the fused decode+sample step, calls interleaved, best of
+# several pairs per round, median of rounds; the CLI's default sampler, ctx 4096, 128 cached tokens) and shipped as
+# package data: the file records the command, date, machine and raw ratios. Earlier runs of the same measurement
+# (scripts/measure_verify_cost.py) gave C(width 2, 4, 8, 16) = 0.99, 1.15, 1.37, 1.90; greedy: 0.97, 1.06, 1.28,
+# 1.69. A width-2 verify is entered as 1.0: a verify never costs less than the plain step it replaces. On this CPU a
 # decode step is bound by streaming the weights (the f32 262k x 640 unembedding alone is 670 MB), which a verify
 # streams once for all its rows: verifies are cheap here, unlike the design record's M1 table (verify-16 = 4.5).
 # A draft of d tokens runs the padded bucket of width bucket_for(d + 1), so the decoder prices a verify at the
-# bucket's draft slots (width - 1): the keys below are those slots; interpolation only serves custom tables.
-DEFAULT_COST_TABLE: tuple[CostPoint, ...] = (
-    CostPoint(1, 1.0),
-    CostPoint(3, 1.15),
-    CostPoint(7, 1.37),
-    CostPoint(15, 1.90),
-)
+# bucket's draft slots (width - 1): the keys are those slots; interpolation only serves custom tables.
+DEFAULT_COST_TABLE: tuple[CostPoint, ...] = tuple(CostPoint(d, c) for d, c in read_cost_points(DEFAULT_TABLE_PATH))
 
 # The widest verify bucket (engine.VERIFY_BUCKETS[-1] = 16 rows) holds the carried token + 15 draft tokens.
 MAX_DRAFT = 15

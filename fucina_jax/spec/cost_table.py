@@ -1,0 +1,66 @@
+"""The verify-cost table file format (written by the --spec-bench probe, fucina_jax.spec.bench), read without JAX.
+
+    {"format": "fucina_jax.cost_table", "version": 1, "model": ..., "date": ..., "machine": ..., "plain_ms": ...,
+     "command": ..., "table": [{"width": 2, "draft_len": 1, "cost": 1.0, ...}, ...]}
+
+Only `table[*].draft_len` (draft slots = verify width - 1) and `table[*].cost` (plain decode steps per verify) are
+read; the rest documents where the numbers come from. The gate's DEFAULT_COST_TABLE is this module's reading of the
+shipped file DEFAULT_TABLE_PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from fucina_jax.errors import CostTableError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "DEFAULT_TABLE_PATH", "read_cost_points"]
+
+FORMAT = "fucina_jax.cost_table"
+FORMAT_VERSION = 1
+# Package data: produced by the probe on the embedded Gemma 3 270M (see its "command" field).
+DEFAULT_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_cost_table.json")
+
+
+def read_cost_points(path: str | os.PathLike) -> list[tuple[int, float]]:
+    """(draft_len, cost) pairs of a cost-table file, checked; CostTableError names the file and the problem."""
+    path = os.fspath(path)
+    redo = "re-run --spec-bench to write a fresh one"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CostTableError(f"cost table file not found: {path} ({redo}, or omit it to use the default)") from None
+    except OSError as e:
+        raise CostTableError(f"cannot read the cost table {path}: {e.strerror}") from None
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CostTableError(f"{path} is not a JSON cost table ({e}); {redo}") from None
+    if not isinstance(doc, dict) or "table" not in doc:
+        raise CostTableError(f"{path} has no 'table' list: it is not a --spec-bench cost table; {redo}")
+    if doc.get("format", FORMAT) != FORMAT or doc.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise CostTableError(
+            f"{path} is format {doc.get('format')!r} version {doc.get('version')!r}; this fucina_jax reads "
+            f"{FORMAT!r} version {FORMAT_VERSION}; {redo}"
+        )
+    entries = doc["table"]
+    if not isinstance(entries, list) or not entries:
+        raise CostTableError(f"{path}: 'table' must be a non-empty list of {{draft_len, cost}} entries; {redo}")
+    points: list[tuple[int, float]] = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or "draft_len" not in e or "cost" not in e:
+            raise CostTableError(f"{path}: table entry {i} = {e!r} needs the keys 'draft_len' and 'cost'")
+        d, c = e["draft_len"], e["cost"]
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise CostTableError(f"{path}: table entry {i} has draft_len = {d!r}; it must be an integer >= 1")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+            raise CostTableError(f"{path}: table entry {i} has cost = {c!r}; it must be a finite number > 0 "
+                                 "(plain decode steps per verify)")
+        if points and d <= points[-1][0]:
+            raise CostTableError(f"{path}: draft_len must strictly increase, but entry {i} has {d} after "
+                                 f"{points[-1][0]}")
+        points.append((d, float(c)))
+    return points
