@@ -92,7 +92,8 @@ def test_missing_file_raises(tmp_path):
 
 def test_shipped_default_table_is_probe_output():
     """The package ships the probe's JSON for the embedded model, and it loads into a valid gate."""
-    doc = json.loads(open(DEFAULT_TABLE_PATH).read())
+    with open(DEFAULT_TABLE_PATH) as f:
+        doc = json.load(f)
     assert doc["model"].startswith("gemma-3-270m")
     assert "spec.bench" in doc["command"] or "--spec-bench" in doc["command"]
     table = load_cost_table(DEFAULT_TABLE_PATH)

@@ -27,7 +27,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,20 +36,25 @@ import numpy as np
 from fucina_jax import engine, sampling
 from fucina_jax.models import truncate
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec.cost_table import DEFAULT_TABLE_PATH, FORMAT, FORMAT_VERSION, read_cost_points
+from fucina_jax.spec.cost_table import (
+    DEFAULT_TABLE_PATH,
+    FORMAT,
+    FORMAT_VERSION,
+    read_cost_points,
+)
 from fucina_jax.spec.gate import CostPoint, SpecOptions
 from fucina_jax.spec.steps import verify_sample_step
 
 __all__ = [
-    "CostTableResult",
-    "measure_cost_table",
-    "save_cost_table",
-    "load_cost_table",
-    "plot_cost_table",
-    "format_cost_table",
-    "machine_description",
-    "run_spec_bench",
     "DEFAULT_TABLE_PATH",
+    "CostTableResult",
+    "format_cost_table",
+    "load_cost_table",
+    "machine_description",
+    "measure_cost_table",
+    "plot_cost_table",
+    "run_spec_bench",
+    "save_cost_table",
 ]
 
 DEFAULT_PROMPT_LEN = 128  # cached tokens while timing
@@ -78,15 +83,15 @@ class CostTableResult:
         return tuple(CostPoint(d, c) for _, d, c, _, _ in self.rows)
 
     def to_json(self) -> dict:
-        return dict(
-            format=FORMAT, version=FORMAT_VERSION, model=self.model, date=self.date, machine=self.machine,
-            plain_ms=round(self.plain_ms, 3), ctx=self.ctx, cached_tokens=self.cached_tokens, sampler=self.sampler,
-            reps=self.reps, rounds=self.rounds, seconds=round(self.seconds, 1), command=self.command,
-            table=[
-                dict(width=w, draft_len=d, cost=round(c, 4), measured=round(m, 4), verify_ms=round(v, 3))
+        return {
+            "format": FORMAT, "version": FORMAT_VERSION, "model": self.model, "date": self.date, "machine": self.machine,
+            "plain_ms": round(self.plain_ms, 3), "ctx": self.ctx, "cached_tokens": self.cached_tokens, "sampler": self.sampler,
+            "reps": self.reps, "rounds": self.rounds, "seconds": round(self.seconds, 1), "command": self.command,
+            "table": [
+                {"width": w, "draft_len": d, "cost": round(c, 4), "measured": round(m, 4), "verify_ms": round(v, 3)}
                 for w, d, c, m, v in self.rows
             ],
-        )
+        }
 
 
 def machine_description() -> str:
@@ -207,8 +212,8 @@ def _sampler_name(cfg: SamplerConfig) -> str:
 def format_cost_table(result: CostTableResult) -> str:
     """The table as printed by --spec-bench: cost and both break-even acceptance bounds per width."""
     lines = [
-        f"{result.model}: plain step {result.plain_ms:.1f} ms (ctx {result.ctx}, {result.cached_tokens} cached, "
-        f"{result.sampler}; best of {result.reps}, median of {result.rounds} rounds)",
+        (f"{result.model}: plain step {result.plain_ms:.1f} ms (ctx {result.ctx}, {result.cached_tokens} cached, "
+         f"{result.sampler}; best of {result.reps}, median of {result.rounds} rounds)"),
         f"machine: {result.machine}",
         "width  draft slots k  C(k) plain steps  verify ms  break-even acc: strict (C-1)/k  conservative C/k",
     ]

@@ -16,7 +16,7 @@ import os
 
 from fucina_jax.errors import CostTableError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "DEFAULT_TABLE_PATH", "read_cost_points"]
+__all__ = ["DEFAULT_TABLE_PATH", "FORMAT", "FORMAT_VERSION", "read_cost_points"]
 
 FORMAT = "fucina_jax.cost_table"
 FORMAT_VERSION = 1

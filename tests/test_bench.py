@@ -1,0 +1,100 @@
+"""The benchmark suite (bench/run.py) in its quick mode: every task class runs on every system, the speculative
+stream equals the plain stream token for token, and the report files are written.
+
+The CI run uses the tiny random Qwen3 fixture and a short task file in the shipped format (its context is 512
+tokens); the shipped task file itself is checked for shape and prompt construction. The full run is
+`python bench/run.py` (results in BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("fucina_bench_run", os.path.join(ROOT, "bench", "run.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SHORT_TASKS = {
+    "documents": {"a": "the cat sat on the mat and the dog sat on the log", "b": "abc abc abc abc abc abc"},
+    "tasks": [
+        {"class": "grounded_copy", "id": "grounded_copy/a", "temperature": 0.0,
+         "continuation": "text: {a}\ncopy: {a}\ncopy:", "chat": []},
+        {"class": "grounded_copy", "id": "grounded_copy/not-in-quick", "temperature": 0.0,
+         "continuation": "x", "chat": []},
+        {"class": "verbatim_repetition", "id": "verbatim_repetition/b", "temperature": 0.0,
+         "continuation": "{b}\n{b}\n{b}\n", "chat": []},
+        {"class": "code_edit", "id": "code_edit/f", "temperature": 0.0,
+         "continuation": "def f(x):\n    return x\n# renamed:\ndef g(x):\n", "chat": []},
+        {"class": "rag_reference", "id": "rag_reference/a", "temperature": 0.0, "reference": "a",
+         "continuation": "quote:", "chat": []},
+        {"class": "multi_turn_restatement", "id": "multi_turn_restatement/a", "temperature": 0.0,
+         "continuation": "User: hi\nAssistant: {a}\nUser: again\nAssistant:", "chat": []},
+        {"class": "free_form", "id": "free_form/0", "temperature": 0.8, "continuation": "Once", "chat": []},
+        {"class": "sampled_grounded_copy", "id": "sampled_grounded_copy/a", "temperature": 0.7,
+         "continuation": "text: {a}\ncopy: {a}\ncopy:", "chat": []},
+    ],
+}
+
+
+def test_quick_mode_runs_and_spec_equals_plain(bench, fixture_path, load_model, tmp_path):
+    tasks_path = tmp_path / "tasks.json"
+    tasks_path.write_text(json.dumps(SHORT_TASKS))
+    path = fixture_path("qwen3")
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    rows = bench.run_suite({"fixture": (load_model(path), path, "continuation")}, quick=True, gen=20, reps=1,
+                           ctx=512, llama=llama, progress=False, tasks_path=str(tasks_path))
+    assert [r["cls"] for r in rows] == list(bench.CLASSES)  # one prompt per class in quick mode
+    systems = set(bench.SYSTEMS if llama else ("fucina_plain", "fucina_spec"))
+    for r in rows:
+        assert set(r["tps"]) == systems and all(v > 0 for v in r["tps"].values()), r
+        assert r["spec_equal"], f"{r['id']}: the speculative stream differs from the plain one"
+        assert r["n_gen"] > 0 and r["steps"] > 0
+    # the copy tasks hand the cascade something to draft: at least one verify ran somewhere
+    assert sum(r["verify_steps"] for r in rows) > 0
+    meta = {"date": "today", "machine": "test", "mode": "quick", "gen": 20, "reps": 1, "ctx": 512, "seed": 1, "command": "test",
+                "seconds": 1.0}
+    summary, md, png = bench.write_report(rows, meta, str(tmp_path))
+    assert len(summary) == len(bench.CLASSES)
+    with open(md) as f:
+        text = f.read()
+    assert "| fixture | grounded_copy/a |" in text and "spec/plain" in text
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shipped_task_file(bench, fixture_path, load_model):
+    """Every class has >= 3 prompts, placeholders resolve, RAG references are not in the prompt."""
+    with open(bench.TASKS_PATH) as f:
+        spec = json.load(f)
+    classes = [t["class"] for t in spec["tasks"]]
+    for c in bench.CLASSES:
+        assert classes.count(c) >= 3, c
+    assert len({t["id"] for t in spec["tasks"]}) == len(spec["tasks"])
+    for t in spec["tasks"]:
+        assert t["chat"] and t["continuation"], t["id"]
+        if t.get("reference"):
+            assert t["reference"] in spec["documents"]
+    model = load_model(fixture_path("qwen3"))
+    tasks = bench.load_tasks(model, "continuation")
+    assert len(tasks) == len(spec["tasks"])
+    tok = model.tokenizer
+    for t, raw in zip(tasks, spec["tasks"]):
+        text = tok.decode(t.prompt_ids)
+        assert "{" + "lighthouse}" not in text and "{code_" not in text  # placeholders were filled
+        if raw.get("reference"):
+            assert tok.decode(t.reference_ids) == spec["documents"][raw["reference"]]
+    quick = bench.load_tasks(model, "continuation", quick=True)
+    assert [t.cls for t in quick] == list(bench.CLASSES)
