@@ -51,8 +51,7 @@ class CostPoint:
 # the fused verify+sample step of each width against the fused decode+sample step, calls interleaved, best of
 # several pairs per round, median of rounds; the CLI's default sampler, ctx 4096, 128 cached tokens) and shipped as
 # package data: the file records the command, date, machine and raw ratios. Earlier runs of the same measurement
-# (scripts/measure_verify_cost.py) gave C(width 2, 4, 8, 16) = 0.99, 1.15, 1.37, 1.90; greedy: 0.97, 1.06, 1.28,
-# 1.69. A width-2 verify is entered as 1.0: a verify never costs less than the plain step it replaces. On this CPU a
+# gave C(width 2, 4, 8, 16) = 0.99, 1.15, 1.37, 1.90; greedy: 0.97, 1.06, 1.28, 1.69. A width-2 verify is entered as 1.0: a verify never costs less than the plain step it replaces. On this CPU a
 # decode step is bound by streaming the weights (the f32 262k x 640 unembedding alone is 670 MB), which a verify
 # streams once for all its rows: verifies are cheap here, unlike the design record's M1 table (verify-16 = 4.5).
 # A draft of d tokens runs the padded bucket of width bucket_for(d + 1), so the decoder prices a verify at the
