@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from fucina_jax.chat_template import ChatTemplate, chat_template_for, encode_chat
-from fucina_jax.errors import ChatOptionsError, ContextFullError
+from fucina_jax.errors import ChatOptionsError, ContextFullError, FucinaError
 from fucina_jax.sampling import SamplerConfig
 
 __all__ = ["ChatOptions", "Conversation", "Reply", "TurnGate", "repl"]
@@ -493,7 +493,8 @@ Ctrl-C stops the reply being generated; Ctrl-D (EOF) exits."""
 
 
 def repl(conv: Conversation, *, out=None, err=None, prompt: str = "> ", read=input) -> int:
-    """Interactive chat on a terminal: each line is a user turn, its reply streams to `out`."""
+    """Interactive chat on a terminal: each line is a user turn, its reply streams to `out` (so do the commands'
+    answers); the help banner and errors go to `err`. Returns the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
     print(REPL_HELP, file=err, flush=True)
@@ -517,16 +518,17 @@ def repl(conv: Conversation, *, out=None, err=None, prompt: str = "> ", read=inp
             if cmd == "/quit":
                 return 0
             if cmd == "/help":
-                print(REPL_HELP, file=err, flush=True)
+                print(REPL_HELP, file=out)
             elif cmd == "/stats":
-                print(conv.stats_summary(), file=err, flush=True)
+                print(conv.stats_summary(), file=out)
             elif cmd == "/reset":
                 conv.reset()
-                print("conversation reset", file=err, flush=True)
+                print("conversation reset", file=out)
             elif cmd == "/ref":
-                _repl_ref(conv, arg, err)
+                _repl_ref(conv, arg, out)
             else:
-                print(f"unknown command {cmd}; {REPL_HELP}", file=err, flush=True)
+                print(f"unknown command {cmd}; {REPL_HELP}", file=out)
+            out.flush()
             continue
         turn = None
         try:
@@ -538,26 +540,25 @@ def repl(conv: Conversation, *, out=None, err=None, prompt: str = "> ", read=inp
         except KeyboardInterrupt:
             if turn is not None:
                 turn.close()  # ends the turn with what was committed (a no-op if it already ended)
-            out.write("\n")
-            print("[interrupted]", file=err, flush=True)
-        except ContextFullError as e:
+            out.write("\n[interrupted]\n")
+        except FucinaError as e:  # a full context, a template that rejects the conversation: keep the session
             print(f"error: {e}", file=err, flush=True)
         out.flush()
 
 
-def _repl_ref(conv: Conversation, path: str, err) -> None:
+def _repl_ref(conv: Conversation, path: str, out) -> None:
     if not path:
-        print("usage: /ref FILE", file=err, flush=True)
+        print("usage: /ref FILE", file=out, flush=True)
         return
     try:
         with open(os.path.expanduser(path), "rb") as f:
             text = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        print(f"error: cannot read {path}: {e}", file=err, flush=True)
+        print(f"error: cannot read {path}: {e}", file=out, flush=True)
         return
     try:
         n = conv.add_spec_reference(text)
     except (ChatOptionsError, ValueError) as e:
-        print(f"error: {e}", file=err, flush=True)
+        print(f"error: {e}", file=out, flush=True)
         return
-    print(f"reference {n} added: {path}", file=err, flush=True)
+    print(f"reference {n} added: {path}", file=out, flush=True)

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{MAX_SPEC_REFS}), tokenized with the model's tokenizer")
     sp.add_argument("--max-draft", type=_nonneg_int("--max-draft"), default=None,
                     help="longest draft per verify, 1..15 (implies --spec; default 15)")
+    ch = p.add_argument_group("chat (the model's chat template; the KV cache carries over between turns)")
+    ch.add_argument("--chat", action="store_true", help="send --prompt as one user turn of a chat and print the reply")
+    ch.add_argument("--repl", action="store_true",
+                    help="interactive chat: one user turn per line, the reply streams; /ref FILE, /stats, /reset, "
+                         "/quit; Ctrl-C stops a reply, Ctrl-D exits (--prompt, if given, is the first turn)")
+    ch.add_argument("--system", default=None, help="system message that opens the conversation (--chat/--repl)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true",
                    help="print one JSON object with ids, text and statistics on stdout at the end (no streaming)")
@@ -193,6 +199,15 @@ def run(args) -> int:
         prompt = ""
     sampler = _sampler(args)  # validate flags before the slow load
     spec_options, refs = _spec_args(args)
+    chatting = args.chat or args.repl
+    if chatting and args.gen < 1:
+        raise CLIError("--chat/--repl need --gen >= 1 (tokens per reply)")
+    if args.repl and args.json:
+        raise CLIError("--json prints one result at the end: it cannot be combined with --repl")
+    if args.chat and not prompt:
+        raise CLIError("--chat needs the user message: give --prompt (or --prompt-file)")
+    if args.system is not None and not chatting:
+        raise CLIError("--system applies to --chat and --repl only")
     path = _model_path(args)
 
     import fucina_jax
@@ -205,6 +220,8 @@ def run(args) -> int:
     ctx = args.ctx or model.default_ctx
     if ctx > model.config.context_length:
         raise CLIError(f"--ctx {ctx} exceeds the model's trained context of {model.config.context_length}")
+    if chatting:
+        return _run_chat(args, model, path, ctx, sampler, spec_options, refs, prompt)
     ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True)
     if not ids:
         raise CLIError("the prompt is empty and the model adds no BOS token: give --prompt")
@@ -241,6 +258,35 @@ def run(args) -> int:
         d.update(model=path, load_seconds=getattr(model, "load_seconds", None))
         json.dump(d, out)
         out.write("\n")
+    return 0
+
+
+def _run_chat(args, model, path, ctx, sampler, spec_options, refs, prompt) -> int:
+    """--chat: one user turn through fucina_jax.chat.Conversation; --repl: the interactive loop."""
+    from fucina_jax.chat import ChatOptions, Conversation, repl
+
+    conv = Conversation(model, ChatOptions(sampler=sampler, max_tokens=args.gen, ctx=ctx, system=args.system,
+                                           speculation=spec_options is not None, spec_options=spec_options))
+    for doc in refs:
+        conv.add_spec_reference(doc)
+    out = sys.stdout
+    if prompt:
+        for piece in conv.stream(prompt):
+            if not args.json:
+                out.write(piece)
+                out.flush()
+        reply = conv.last_reply
+        if args.json:
+            json.dump(dict(model=path, text=reply.text, tokens=reply.tokens, stop_reason=reply.stop_reason,
+                           seed=sampler.seed, **conv.stats()), out)
+        out.write("\n")
+        out.flush()
+        if reply.stop_reason == "context":
+            _log(args, f"stopped: the context of {ctx} tokens is full (use a larger --ctx)")
+        if not args.repl:
+            _log(args, conv.stats_summary())
+    if args.repl:
+        return repl(conv, err=open(os.devnull, "w") if args.quiet else sys.stderr)
     return 0
 
 
