@@ -17,6 +17,7 @@ from fucina_jax.errors import FucinaError
 __all__ = ["main", "build_parser"]
 
 DEFAULT_GEN = 128
+DEFAULT_SPEC_BENCH_OUT = "spec_bench"
 MAX_SPEC_REFS = 8  # reference documents per conversation (fucina_jax.index.CascadePolicy.max_references)
 DEFAULT_SAMPLER = dict(
     temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64,
@@ -102,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{MAX_SPEC_REFS}), tokenized with the model's tokenizer")
     sp.add_argument("--max-draft", type=_nonneg_int("--max-draft"), default=None,
                     help="longest draft per verify, 1..15 (implies --spec; default 15)")
+    sp.add_argument("--cost-table", default=None, metavar="FILE",
+                    help="verify-cost table JSON written by --spec-bench, for the cost gate (implies --spec; "
+                         "default: the table shipped for the embedded model)")
+    sp.add_argument("--spec-bench", action="store_true",
+                    help="measure this model's verify cost at every verify width in plain decode steps (the cost "
+                         "gate's table; uses the sampling flags and --ctx), print it, write it as JSON and a PNG "
+                         "plot, and exit")
+    sp.add_argument("--spec-bench-out", default=DEFAULT_SPEC_BENCH_OUT, metavar="BASE",
+                    help=f"--spec-bench writes BASE.json and BASE.png (default {DEFAULT_SPEC_BENCH_OUT})")
     ch = p.add_argument_group("chat (the model's chat template; the KV cache carries over between turns)")
     ch.add_argument("--chat", action="store_true", help="send --prompt as one user turn of a chat and print the reply")
     ch.add_argument("--repl", action="store_true",
@@ -156,7 +166,7 @@ def _sampler(args):
 
 def _spec_args(args):
     """(SpecOptions or None when speculation is off, reference texts); checked before the model loads."""
-    if not (args.spec or args.spec_ref or args.max_draft is not None):
+    if not (args.spec or args.spec_ref or args.max_draft is not None or args.cost_table is not None):
         return None, []
     from fucina_jax.spec import MAX_DRAFT, SpecOptions
 
@@ -171,6 +181,12 @@ def _spec_args(args):
             raise CLIError(f"--spec-ref {path} is empty")
         refs.append(text)
     options = SpecOptions() if args.max_draft is None else SpecOptions(max_draft=args.max_draft)
+    if args.cost_table is not None:
+        import dataclasses
+
+        from fucina_jax.spec.bench import load_cost_table
+
+        options = dataclasses.replace(options, cost_table=load_cost_table(args.cost_table))
     return options, refs
 
 
@@ -220,6 +236,13 @@ def run(args) -> int:
     ctx = args.ctx or model.default_ctx
     if ctx > model.config.context_length:
         raise CLIError(f"--ctx {ctx} exceeds the model's trained context of {model.config.context_length}")
+    if args.spec_bench:
+        from fucina_jax.spec.bench import run_spec_bench
+
+        base = args.spec_bench_out
+        run_spec_bench(model, json_path=base + ".json", png_path=base + ".png", ctx=ctx, sampler=sampler,
+                       progress=not args.quiet, command=" ".join(["python scripts/generate.py", *sys.argv[1:]]))
+        return 0
     if chatting:
         return _run_chat(args, model, path, ctx, sampler, spec_options, refs, prompt)
     ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True)
@@ -278,7 +301,7 @@ def _run_chat(args, model, path, ctx, sampler, spec_options, refs, prompt) -> in
         reply = conv.last_reply
         if args.json:
             json.dump(dict(model=path, text=reply.text, tokens=reply.tokens, stop_reason=reply.stop_reason,
-                           seed=sampler.seed, **conv.stats()), out)
+                           seed=sampler.seed, chat=conv.stats()), out)
         out.write("\n")
         out.flush()
         if reply.stop_reason == "context":

@@ -210,3 +210,55 @@ def test_repl_pty(smollm2_path):
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_gemma3_fallback_template_turns(gemma3):
+    """The Gemma 3 270M file has no chat template: the family fallback renders it (trimming each message, so a
+    reply ending in whitespace makes the next rendering diverge from the committed stream); speculative replies
+    over the carried cache equal fresh-prefill plain replies."""
+    conv = Conversation(gemma3, ChatOptions(sampler=GREEDY, max_tokens=16, ctx=256, speculation=True, clock=False))
+    assert conv.template.is_fallback and "<start_of_turn>" in conv.template.source
+    for user in ["What is the capital of France?", "And of Italy?", "Thanks."]:
+        reply = conv.send(user)
+        ids = encode_chat(gemma3.tokenizer, conv.messages[:-1])
+        plain = generate(gemma3, ids, max_tokens=16, sampler=GREEDY, ctx=256, stop_ids=conv.stop_ids).run()
+        assert reply.tokens == plain.tokens
+        check_index_in_sync(conv)
+
+
+def run_cli(argv, capsys):
+    from fucina_jax import cli
+
+    rc = cli.main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_chat_one_turn(fixture_path, load_model, capsys):
+    """--chat sends --prompt as one user turn: the reply a Conversation gives, with and without --spec."""
+    import json
+
+    path = fixture_path("qwen3")
+    flags = [path, "--chat", "--prompt", "hello world", "--gen", "24", "--temperature", "0", "--ctx", "128",
+             "--seed", "1", "--json"]
+    expected = Conversation(load_model(path), ChatOptions(sampler=GREEDY, max_tokens=24, ctx=128)).send("hello world")
+    for extra in ([], ["--spec"]):
+        rc, out, err = run_cli(flags + extra, capsys)
+        assert rc == 0, err
+        res = json.loads(out)
+        assert res["tokens"] == expected.tokens and res["text"] == expected.text
+        assert res["chat"]["turns"] == 1 and ("spec" in res["chat"]) == bool(extra)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--repl", "--json"], "cannot be combined with --repl"),
+        (["--chat"], "--chat needs the user message"),
+        (["--prompt", "hi", "--system", "be brief"], "--system applies to --chat and --repl only"),
+        (["--chat", "--prompt", "hi", "--gen", "0"], "--gen >= 1"),
+    ],
+)
+def test_cli_chat_errors(fixture_path, capsys, argv, needle):
+    rc, out, err = run_cli([fixture_path("qwen3"), *argv], capsys)
+    assert rc == 2 and needle in err and err.count("\n") == 1
