@@ -276,6 +276,7 @@ class Conversation:
         self.stop_ids = frozenset(stops)
         self._refs: list[np.ndarray] = []
         self.last_reply: Reply | None = None
+        self._active = False  # a turn is running (its stream was started and has not ended)
         self.reset()
 
     # ---- public API -------------------------------------------------------------------------------------
@@ -318,18 +319,17 @@ class Conversation:
         """Run one turn for the user message `text`, yielding the reply text as it is committed."""
         if not isinstance(text, str):
             raise TypeError(f"a user message is a str, got {type(text).__name__}")
-        self.messages.append({"role": "user", "content": text})
-        try:
-            ids = np.asarray(encode_chat(self.model.tokenizer, self.messages, template=self.template), np.int32)
-            if ids.size >= self.ctx:
-                raise ContextFullError(
-                    f"the conversation has {ids.size} tokens but the context holds {self.ctx}: use a larger --ctx, "
-                    "or /reset the conversation"
-                )
-        except BaseException:
-            self.messages.pop()
-            raise
-        return self._turn(ids)
+        # Rendered (and checked) now; the message joins the conversation when the turn starts running, so a
+        # stream that is never iterated leaves the conversation as it was.
+        message = {"role": "user", "content": text}
+        ids = np.asarray(encode_chat(self.model.tokenizer, [*self.messages, message], template=self.template),
+                         np.int32)
+        if ids.size >= self.ctx:
+            raise ContextFullError(
+                f"the conversation has {ids.size} tokens but the context holds {self.ctx}: use a larger --ctx, "
+                "or /reset the conversation"
+            )
+        return self._turn(ids, message, len(self.messages))
 
     def add_spec_reference(self, doc: str | Sequence[int]) -> int:
         """Index a reference document (text is encoded with the model's tokenizer, no BOS); returns its number.
@@ -370,7 +370,12 @@ class Conversation:
 
     # ---- one turn ---------------------------------------------------------------------------------------
 
-    def _turn(self, ids: np.ndarray) -> Iterator[str]:
+    def _turn(self, ids: np.ndarray, message: dict, n_messages: int) -> Iterator[str]:
+        if self._active or len(self.messages) != n_messages:
+            raise RuntimeError("this turn was rendered before another turn ran: finish (or close) one turn's "
+                               "stream before starting the next")
+        self._active = True
+        self.messages.append(message)
         dec = self.decoder
         o = self.options
         tok = self.model.tokenizer
@@ -385,6 +390,7 @@ class Conversation:
         except BaseException:
             self.messages.pop()
             self._recover()
+            self._active = False
             raise
         reused = min(keep, ids.size - 1)
         self.n_reused += reused
@@ -448,6 +454,7 @@ class Conversation:
                   t_prefill: float) -> None:
         """Commit the turn: keep the generated tokens the reply text covers, trim the decoder and the index to
         them, store the reply."""
+        self._active = False
         tok = self.model.tokenizer
         dec = self.decoder
         if stop == "stop_sequence":

@@ -167,8 +167,12 @@ def test_stop_sequences(smollm2):
     with pytest.raises(ChatOptionsError, match="extra_stop_ids"):
         ChatOptions(extra_stop_ids=[10**9]).validate(smollm2.config.n_vocab)
     conv = chat(smollm2, stop_sequences=["Par"])
+    stale = conv.stream("a turn that never starts")
+    assert conv.messages == []
     pieces = list(conv.stream(TURNS[2]))
     reply = conv.last_reply
+    with pytest.raises(RuntimeError, match="finish"):
+        next(stale)  # rendered before the turn above ran: its prompt is out of date
     assert reply.stop_reason == "stop_sequence" and "".join(pieces) == reply.text
     assert reply.text == "The capital of France is "
     assert smollm2.tokenizer.decode(reply.tokens) == reply.text.rstrip()  # " Paris" straddles the cut: dropped
