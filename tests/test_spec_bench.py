@@ -100,3 +100,39 @@ def test_shipped_default_table_is_probe_output():
     assert [p.draft_len for p in table] == [w - 1 for w in engine.VERIFY_BUCKETS]
     assert table == DEFAULT_COST_TABLE  # the gate's default is this file, not a typed-in copy
     CostGate(SpecOptions(cost_table=table))
+
+
+# ---- the CLI: --spec-bench and --cost-table -----------------------------------------------------------------------
+
+
+def test_cli_spec_bench_writes_a_table_the_cli_loads(fixture_path, tmp_path, capsys):
+    from fucina_jax import cli
+
+    path = fixture_path("qwen3")
+    base = str(tmp_path / "probe")
+    assert cli.main([path, "--spec-bench", "--spec-bench-out", base, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "draft slots" in out and f"--cost-table {base}.json" in out
+    with open(base + ".json") as f:
+        doc = json.load(f)
+    assert doc["command"].startswith("python scripts/generate.py") or "--spec-bench" in doc["command"]
+    assert [e["width"] for e in doc["table"]] == list(engine.VERIFY_BUCKETS)
+    assert (tmp_path / "probe.png").exists()
+    # the table drives a speculative run
+    rc = cli.main([path, "--prompt", "abcabcabcabc", "--gen", "8", "--temperature", "0", "--cost-table",
+                   base + ".json", "--json", "--quiet"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["spec"] is not None and res["n_gen"] > 0
+
+
+def test_cli_bad_cost_table_is_one_error_line(fixture_path, tmp_path, capsys):
+    from fucina_jax import cli
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"table": [{"draft_len": 3, "cost": 0}]}')
+    rc = cli.main([fixture_path("qwen3"), "--prompt", "x", "--cost-table", str(bad), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.startswith("error: ") and "cost = 0" in err and "Traceback" not in err
+    rc = cli.main([fixture_path("qwen3"), "--prompt", "x", "--cost-table", str(tmp_path / "missing.json")])
+    assert rc != 0 and "not found" in capsys.readouterr().err

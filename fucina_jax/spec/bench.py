@@ -284,8 +284,10 @@ def plot_cost_table(result: CostTableResult, path: str | os.PathLike) -> str:
 def run_spec_bench(model, *, json_path: str | None, png_path: str | None, ctx: int | None = None,
                    sampler: SamplerConfig | None = None, reps: int = DEFAULT_REPS, rounds: int = DEFAULT_ROUNDS,
                    prompt_len: int = DEFAULT_PROMPT_LEN, progress: bool = True, command: str = "",
-                   out=sys.stdout) -> CostTableResult:
-    """Measure, print the table, write the JSON and the PNG (either path may be None to skip it)."""
+                   out=None) -> CostTableResult:
+    """Measure, print the table (to `out`, default stdout), write the JSON and the PNG (either path may be None
+    to skip it)."""
+    out = out or sys.stdout
     result = measure_cost_table(model, ctx=ctx, sampler=sampler, reps=reps, rounds=rounds, prompt_len=prompt_len,
                                 progress=progress, command=command)
     print(format_cost_table(result), file=out)
