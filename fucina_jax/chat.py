@@ -408,6 +408,7 @@ class Conversation:
         hold = max((len(s) for s in o.stop_sequences), default=1) - 1  # a stop may still be completing there
         cut: int | None = None  # where a stop sequence starts in text
         sdec = tok.stream_decoder()
+        finished = False  # the turn's end is decided: closing the stream now only skips the rest of the text
         try:
             committed, stopped = dec.bootstrap(logits, self.stop_ids)
             while True:
@@ -421,6 +422,7 @@ class Conversation:
                     if hits:
                         cut = min(hits)
                         stop = "stop_sequence"
+                        finished = True
                         if cut > shown:
                             yield text[shown:cut]
                             shown = cut
@@ -439,13 +441,15 @@ class Conversation:
                     break
                 limit = min(o.max_tokens - len(gen), self.ctx - base - len(gen))
                 committed, stopped = dec.step(limit, self.stop_ids)
+            finished = True
             if cut is None:
                 text += sdec.flush()
                 if len(text) > shown:
                     yield text[shown:]
                     shown = len(text)
         except BaseException:  # KeyboardInterrupt, the consumer closing the stream (GeneratorExit), an error
-            stop = "interrupted"
+            if not finished:
+                stop = "interrupted"
             raise
         finally:
             self._end_turn(base, gen, text if cut is None else text[:cut], stop, reused, t_start, t_prefill)
