@@ -387,6 +387,7 @@ class Conversation:
         keep = int(diff[0]) if diff.size else m
         try:
             logits = dec.resume(keep, ids)
+            logits.block_until_ready()  # the prefill's time belongs to the prefill, not to the first decode step
         except BaseException:
             self.messages.pop()
             self._recover()
