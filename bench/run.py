@@ -187,7 +187,8 @@ def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def bench_model(runner: Runner, tasks: list[Task], *, reps: int, bar=None, warmup: bool = True) -> list[dict]:
+def bench_model(runner: Runner, tasks: list[Task], *, reps: int, bar=None, warmup: bool = True,
+                on_row=None) -> list[dict]:
     """Every task on every system, `reps` times, the system order rotating per repetition and task."""
     if warmup:  # compile the steps (and warm llama.cpp) outside the timings; compile calls are excluded anyway
         w = next((t for t in tasks if t.cls == "verbatim_repetition"), tasks[0])
@@ -225,6 +226,8 @@ def bench_model(runner: Runner, tasks: list[Task], *, reps: int, bar=None, warmu
             "verify_steps": st["verify_steps"], "steps": st["steps"], "spec_summary": st["summary"],
         }
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -324,8 +327,9 @@ def plot(rows, path: str) -> str:
 
 def run_suite(models: dict, *, quick: bool, gen: int, reps: int, ctx: int = DEFAULT_CTX, seed: int = DEFAULT_SEED,
               llama: bool = True, progress: bool = True, classes: tuple[str, ...] = CLASSES,
-              warmup: bool = True, tasks_path: str = TASKS_PATH) -> list[dict]:
-    """models: name -> (fucina_jax Model, GGUF path, prompt style). Returns the per-task rows."""
+              warmup: bool = True, tasks_path: str = TASKS_PATH, on_row=None) -> list[dict]:
+    """models: name -> (fucina_jax Model, GGUF path, prompt style). Returns the per-task rows; `on_row(row)` sees
+    each one as it is measured (a long run on a slow machine keeps what it measured)."""
     from tqdm import tqdm
 
     prepared = []
@@ -338,7 +342,7 @@ def run_suite(models: dict, *, quick: bool, gen: int, reps: int, ctx: int = DEFA
         for name, model, path, tasks in prepared:
             runner = Runner(name, model, path, ctx=ctx, gen=gen, seed=seed, llama=llama)
             try:
-                rows += bench_model(runner, tasks, reps=reps, bar=bar, warmup=warmup)
+                rows += bench_model(runner, tasks, reps=reps, bar=bar, warmup=warmup, on_row=on_row)
             finally:
                 runner.close()
     return rows
@@ -387,8 +391,17 @@ def main(argv=None) -> int:
         path = model_path(name)
         models[name] = (fucina_jax.load(path), path, "continuation" if name == "gemma3" else "chat")
     gen = args.gen or (QUICK_GEN if args.quick else DEFAULT_GEN)
+    os.makedirs(os.path.join(args.out_dir, "bench"), exist_ok=True)
+    partial = os.path.join(args.out_dir, "bench", "results.partial.jsonl")
+    with open(partial, "w"):
+        pass
+
+    def checkpoint(row):
+        with open(partial, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
     rows = run_suite(models, quick=args.quick, gen=gen, reps=args.reps, ctx=args.ctx, seed=args.seed,
-                     llama=not args.no_llama, progress=not args.no_progress, classes=classes)
+                     llama=not args.no_llama, progress=not args.no_progress, classes=classes, on_row=checkpoint)
     cmd = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine,
                 "mode": "quick" if args.quick else "full", "gen": gen, "reps": args.reps, "ctx": args.ctx, "seed": args.seed,
