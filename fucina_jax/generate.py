@@ -16,7 +16,7 @@ from fucina_jax import engine, sampling
 from fucina_jax.errors import ContextFullError
 from fucina_jax.sampling import SamplerConfig
 
-__all__ = ["GenerationResult", "Generation", "generate", "Timer"]
+__all__ = ["GenerationResult", "Generation", "generate", "check_request", "Timer"]
 
 
 @dataclass
@@ -105,16 +105,9 @@ class Generation:
         return self.result
 
 
-def generate(
-    model,
-    prompt_ids: Iterable[int],
-    *,
-    max_tokens: int = 128,
-    sampler: SamplerConfig | None = None,
-    ctx: int | None = None,
-    stop_ids: Iterable[int] | None = None,
-) -> Generation:
-    """Plain decoding of up to max_tokens tokens after prompt_ids (which must include any BOS)."""
+def check_request(model, prompt_ids, max_tokens: int, sampler, ctx, stop_ids):
+    """Validate one generation request (shared by plain and speculative decoding, so both refuse the same input
+    with the same errors). Returns (prompt ids, validated SamplerConfig, ctx, stop ids)."""
     prompt = [int(t) for t in prompt_ids]
     if max_tokens < 0:
         raise ValueError(f"max_tokens = {max_tokens} is invalid: it must be >= 0")
@@ -127,7 +120,21 @@ def generate(
             f"the prompt has {len(prompt)} tokens but the context holds {ctx}: use a larger --ctx (max "
             f"{model.config.context_length}) or a shorter prompt"
         )
-    stops = set(model.tokenizer.eog_ids if stop_ids is None else stop_ids)
+    stops = frozenset(model.tokenizer.eog_ids if stop_ids is None else stop_ids)
+    return prompt, cfg, ctx, stops
+
+
+def generate(
+    model,
+    prompt_ids: Iterable[int],
+    *,
+    max_tokens: int = 128,
+    sampler: SamplerConfig | None = None,
+    ctx: int | None = None,
+    stop_ids: Iterable[int] | None = None,
+) -> Generation:
+    """Plain decoding of up to max_tokens tokens after prompt_ids (which must include any BOS)."""
+    prompt, cfg, ctx, stops = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
     gen = Generation(iter(()))
     gen._it = _plain_loop(model, prompt, max_tokens, cfg, ctx, stops, gen)
     return gen

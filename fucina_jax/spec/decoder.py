@@ -38,7 +38,7 @@ import numpy as np
 
 from fucina_jax import engine, sampling
 from fucina_jax.errors import ContextFullError, DraftSourceError
-from fucina_jax.generate import Generation, GenerationResult, Timer
+from fucina_jax.generate import Generation, GenerationResult, Timer, check_request
 from fucina_jax.index.protocol import DraftSource
 from fucina_jax.models import truncate
 from fucina_jax.sampling import SamplerConfig
@@ -396,19 +396,7 @@ def generate_speculative(
     tokenize-with-the-model's-tokenizer contract of design record section 8). clock: True uses
     time.perf_counter_ns for the gate's live cost model, False prices verifies from the static table only.
     """
-    prompt = [int(t) for t in prompt_ids]
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens = {max_tokens} is invalid: it must be >= 0")
-    if not prompt:
-        raise ValueError("the prompt is empty: at least one token (e.g. BOS) is needed to start generating")
-    cfg = (sampler or SamplerConfig()).validate()
-    ctx = ctx or model.default_ctx
-    if len(prompt) >= ctx:
-        raise ContextFullError(
-            f"the prompt has {len(prompt)} tokens but the context holds {ctx}: use a larger --ctx (max "
-            f"{model.config.context_length}) or a shorter prompt"
-        )
-    stops = frozenset(model.tokenizer.eog_ids if stop_ids is None else stop_ids)
+    prompt, cfg, ctx, stops = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
     if source is None:
         from fucina_jax.index import SpeculationIndex
 
