@@ -13,6 +13,7 @@ import pytest
 
 from fucina_jax import engine
 from fucina_jax.models import truncate
+from step_helpers import decode_rows
 
 KINDS = ["qwen3", "gemma3", "llama", "qwen3moe"]
 ROW_TOL = 1e-4
@@ -20,17 +21,6 @@ ROW_TOL = 1e-4
 
 def ids_for(model, n, seed=0):
     return np.random.default_rng(seed).integers(0, 260, n).astype(np.int32)
-
-
-def decode_rows(model, ids, n_prefill, ctx=64):
-    """Logits after each position: prefill ids[:n_prefill], then one decode step per remaining id."""
-    cache = model.new_cache(ctx)
-    last, cache = model.prefill(ids[:n_prefill], cache)
-    rows = [np.asarray(last)]
-    for t in ids[n_prefill:]:
-        logits, cache = engine.decode_step(model.params, jnp.asarray([t], jnp.int32), cache, model.config)
-        rows.append(np.asarray(logits[0]))
-    return np.stack(rows), cache
 
 
 @pytest.mark.parametrize("kind", KINDS)

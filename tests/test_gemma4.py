@@ -29,6 +29,7 @@ from fucina_jax.errors import MetadataError
 from fucina_jax.models import layers as L
 from fucina_jax.models import truncate
 from fucina_jax.testing.gemma4 import GEMMA4_VARIANTS, write_gemma4_fixture
+from step_helpers import decode_rows
 
 VARIANTS = list(GEMMA4_VARIANTS)
 # Weight seeds: deterministic fixtures whose llama.cpp logits have no near-tie at the argmax (min top-2 margin 0.08).
@@ -205,17 +206,6 @@ def test_bad_metadata_is_a_clear_error(kw, match, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- cache and steps
-
-
-def decode_rows(model, ids, n_prefill, ctx=64):
-    """Logits after each position: prefill ids[:n_prefill], then one decode step per remaining id."""
-    cache = model.new_cache(ctx)
-    last, cache = model.prefill(ids[:n_prefill], cache)
-    rows = [np.asarray(last)]
-    for t in ids[n_prefill:]:
-        logits, cache = engine.decode_step(model.params, jnp.asarray([t], jnp.int32), cache, model.config)
-        rows.append(np.asarray(logits[0]))
-    return np.stack(rows), cache
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
