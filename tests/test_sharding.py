@@ -217,3 +217,19 @@ def test_sharded_generate_equals_plain(gguf):
     for name, (plain, sharded) in streams.items():
         assert sharded == plain, name
         assert len(plain) == 16
+
+
+def test_sharded_speculative_equals_plain(gguf):
+    """Speculative decoding on 4 devices commits the plain single-device stream of every conversation, greedy and
+    sampled: the single decoder on the tensor-parallel mesh, the batched decoder (4 rows) on it and on data 2 x
+    model 2 (rows split over "data"). Drafts were accepted, so the verify path really ran sharded."""
+    proc = run_worker("spec", gguf("qwen3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, r in json.loads(proc.stdout).items():
+        plain = r["plain"]
+        assert all(len(t) == 20 for t in plain)
+        assert r["single"] == plain, name
+        assert r["single_accepted"] > 0, name
+        for data in (1, 2):
+            assert r[f"batched_dp{data}"] == plain, (name, data)
+            assert r[f"batched_dp{data}_accepted"] > 0, (name, data)
