@@ -1,4 +1,9 @@
-"""Build of the C core (fucina_jax/index/sam.c) with the system C compiler; metadata lives in pyproject.toml.
+"""Build of the native parts with the system compilers; metadata lives in pyproject.toml.
+
+- fucina_jax/index/sam.c: the suffix automaton's C core.
+- fucina_jax/kernels/qmatmul.cc: quantized matmul kernels called from jax.jit through the XLA FFI. Compiled against
+  the FFI headers jaxlib ships (a build requirement), for the generic x86-64 baseline: the AVX2 and AVX-512
+  functions carry target attributes and are picked at run time, so one build runs on any x86-64 CPU.
 
 A plain CPython extension module rather than a ctypes library: a method call costs ~50 ns instead of the
 ~1 us a ctypes call with NumPy arguments costs, which is what keeps append+suggest within the per-token
@@ -12,12 +17,30 @@ from setuptools import Extension, setup
 # -O2 is what the per-token budget was measured with; MSVC takes its own defaults.
 _CFLAGS = [] if os.name == "nt" else ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
+# -ffp-contract=off: the kernels' float sequence (explicit fma steps) must be the same on every path; never fast-math.
+_CXXFLAGS = [] if os.name == "nt" else ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-Wall",
+                                      "-Wno-maybe-uninitialized"]  # GCC 12 false positive in its own intrinsics headers
+
+
+def _ffi_include() -> str:
+    import jaxlib
+
+    return os.path.join(os.path.dirname(jaxlib.__file__), "include")
+
+
 setup(
     ext_modules=[
         Extension(
             "fucina_jax.index._sam",
             sources=["fucina_jax/index/sam.c"],
             extra_compile_args=_CFLAGS,
-        )
+        ),
+        Extension(
+            "fucina_jax.kernels._qmatmul",
+            sources=["fucina_jax/kernels/qmatmul.cc"],
+            include_dirs=[_ffi_include()],
+            extra_compile_args=_CXXFLAGS,
+            language="c++",
+        ),
     ],
 )

@@ -20,9 +20,19 @@ from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import ModelConfig
 from fucina_jax.models.loading import load_params
 
-__all__ = ["Model", "load", "default_model_path"]
+__all__ = ["Model", "load", "default_model_path", "enable_compilation_cache"]
 
 DEFAULT_CTX = 4096
+
+
+def enable_compilation_cache() -> None:
+    """Turn on JAX's persistent compilation cache in the user's cache directory (~/.cache/fucina_jax/xla), unless
+    the user configured one or set FUCINA_JAX_NO_CACHE=1: a warm start then skips the XLA compiles (seconds each)."""
+    if os.environ.get("FUCINA_JAX_NO_CACHE") or jax.config.jax_compilation_cache_dir:
+        return
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    jax.config.update("jax_compilation_cache_dir", os.path.join(base, "fucina_jax", "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def default_model_path() -> str:
@@ -145,8 +155,12 @@ class Model:
         return logits[0], cache
 
 
-def load(path: str | os.PathLike | None = None, *, progress: bool = False) -> Model:
-    """Load a GGUF model; no path loads the embedded default model (Gemma 3 270M Q4_K_M)."""
+def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: bool = False) -> Model:
+    """Load a GGUF model; no path loads the embedded default model (Gemma 3 270M Q4_K_M).
+
+    Quantized matmul weights of the types the kernels take (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay
+    quantized and run through fucina_jax.kernels; `f32=True` dequantizes every weight to f32 instead: the pure-JAX
+    reference path (also the one to shard over devices, and the fallback where the kernels are not built)."""
     if path is None:
         path = default_model_path()
     t0 = time.perf_counter()
@@ -168,11 +182,10 @@ def load(path: str | os.PathLike | None = None, *, progress: bool = False) -> Mo
         if bar is not None:
             bar.update(1)
 
-    np_params = load_params(gf, cfg.arch, glob, layer, cfg.n_layers, progress=tick)
+    enable_compilation_cache()
+    params = load_params(gf, cfg.arch, glob, layer, cfg.n_layers, progress=tick, packed=not f32, place=jnp.asarray)
     if bar is not None:
         bar.close()
-    params = jax.tree_util.tree_map(jnp.asarray, np_params)
-    del np_params
     model = Model(path=gf.path, config=cfg, params=params, metadata=gf.metadata)
     model.load_seconds = time.perf_counter() - t0
     return model

@@ -43,8 +43,14 @@ class KVCache:
         return self.k[0].shape[0]
 
 
+# Slots are allocated in multiples of this (as llama.cpp pads its KV cache): attention reads the cache in chunks
+# (layers.attention), and a chunked capacity keeps every step on the row-exact chunked path.
+SLOT_ALIGN = 16
+
+
 def init_cache(cfg: ModelConfig, capacity: int, batch: int = 1, dtype=jnp.float32) -> KVCache:
-    """An empty cache of `capacity` slots for `batch` rows."""
+    """An empty cache of at least `capacity` slots (rounded up to a multiple of SLOT_ALIGN) for `batch` rows."""
+    capacity = -(-capacity // SLOT_ALIGN) * SLOT_ALIGN
     shapes: dict[int, tuple[int, int]] = {}
     for spec in cfg.layers:
         if spec.writes_kv:

@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fucina_jax.kernels import QWeight, qlinear, take_rows
+
 __all__ = [
+    "fixed_sum",
     "rms_norm",
     "rope_inv_freq",
     "apply_rope",
@@ -32,10 +35,31 @@ __all__ = [
 NEG_INF = -jnp.inf
 
 
+def fixed_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over one axis in a fixed pairwise order (zero-pad to a power of two, add halves until one is left).
+
+    XLA's reduce picks its vectorisation, and so its summation order, by the shape of the other axes: the same row
+    sums differently inside 1 row than inside 8 (measured: rms_norm over [8, 640]). Elementwise adds do not, so a
+    row summed this way is bitwise the same in any batch: the property verification rows rely on.
+    """
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, p - n)
+        x = jnp.pad(x, pad)
+    while x.shape[axis] > 1:
+        h = x.shape[axis] // 2
+        x = jax.lax.slice_in_dim(x, 0, h, axis=axis) + jax.lax.slice_in_dim(x, h, 2 * h, axis=axis)
+    return x if keepdims else jnp.squeeze(x, axis)
+
+
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
     """x / sqrt(mean(x^2) + eps) * w over the last axis (w None: no weight, e.g. Gemma 4's value norm)."""
     x = x.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    mean_sq = fixed_sum(x * x, keepdims=True) * jnp.float32(1.0 / x.shape[-1])
+    y = x * jax.lax.rsqrt(mean_sq + eps)
     return y if w is None else y * w
 
 
@@ -82,6 +106,14 @@ def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Arra
     return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
 
 
+# Attention reads the cache in chunks of this many slots, and only the chunks that hold visible slots: a decode step
+# at position p costs O(p) (O(window) on sliding layers), not O(capacity). Chunk boundaries are fixed multiples of
+# ATTN_CHUNK, and a chunk a row cannot see adds exact zeros, so a row's result does not depend on the other rows.
+ATTN_CHUNK = 256
+# Steps of at most this many rows per batch row (decode, verify) get row-exact attention (see attention()).
+ROW_EXACT_MAX = 16
+
+
 def attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -90,27 +122,81 @@ def attention(
     scale: float,
     window: int = 0,
 ) -> jax.Array:
-    """softmax(q k^T * scale + mask) v with GQA, against the whole cache.
+    """softmax(q k^T * scale + mask) v with GQA, over the visible part of the cache.
 
     q: [B, T, H, Dh]; k_cache/v_cache: [B, S, K, Dh(v)] already holding this step's rows; q_pos: [B, T].
     Mask: slot j visible to a query at position p iff j <= p (causal; stale slots past the committed length are
     always > p or were overwritten by this step), and on sliding layers additionally p - j < window (llama.cpp's
     LLAMA_SWA_TYPE_STANDARD: a query sees exactly the last `window` positions including itself).
+
+    Online softmax over cache chunks in a loop with data-dependent bounds (no recompile as the context grows); a
+    capacity that is not a multiple of 16 (init_cache never makes one) takes a one-shot path over all S slots, which
+    is not row-exact.
     """
     B, T, H, Dh = q.shape
     S, K = k_cache.shape[1], k_cache.shape[2]
     G = H // K
     qg = q.reshape(B, T, K, G, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache) * scale  # [B, K, G, T, S]
-    slot = jnp.arange(S, dtype=jnp.int32)
-    p = q_pos[:, :, None]  # [B, T, 1]
-    visible = slot[None, None, :] <= p
-    if window:
-        visible = visible & (p - slot[None, None, :] < window)
-    scores = jnp.where(visible[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache)
-    return out.reshape(B, T, H, v_cache.shape[-1])
+    p = q_pos[:, None, None, :, None]  # [B, 1, 1, T, 1] against scores [B, K, G, T, slots]
+
+    # Up to a verify bucket of rows, the two products are spelled as multiply + reduce instead of dots: XLA's dot
+    # picks its algorithm (and so its summation order) by the number of rows, a reduce sums every output alike.
+    # That keeps each row bitwise independent of how many rows come with it, which the quantized path needs: its
+    # activation rounding would amplify a last-bit difference into a visible logit change.
+    exact = T <= ROW_EXACT_MAX
+
+    def qk(ks):
+        if exact:
+            return fixed_sum(qg.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :] * ks.transpose(0, 2, 1, 3)[:, :, None, None])
+        return jnp.einsum("btkgd,bskd->bkgts", qg, ks)
+
+    def pv(pr, vs):
+        if exact:
+            return fixed_sum(pr[..., None] * vs.transpose(0, 2, 1, 3)[:, :, None, None], axis=-2)
+        return jnp.einsum("bkgts,bskd->bkgtd", pr, vs)
+
+    def scores_of(ks, first_slot, n):
+        s = qk(ks) * scale
+        slot = first_slot + jnp.arange(n, dtype=jnp.int32)
+        visible = slot <= p
+        if window:
+            visible = visible & (p - slot < window)
+        return jnp.where(visible, s, NEG_INF)
+
+    chunk = next((c for c in (ATTN_CHUNK, 128, 64, 32, 16) if S % c == 0), None)
+    if chunk is None:
+        s = scores_of(k_cache, 0, S)
+        e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))  # max is order-free; the sum is not
+        probs = e / fixed_sum(e, keepdims=True)
+        return pv(probs, v_cache).transpose(0, 3, 1, 2, 4).reshape(B, T, H, v_cache.shape[-1])
+
+    # padding rows of a bucket near the end of the context carry positions >= S: never read past the last chunk
+    hi = jnp.minimum(jnp.max(q_pos) // chunk + 1, S // chunk)
+    lo = jnp.maximum(jnp.min(q_pos) - window + 1, 0) // chunk if window else 0
+    Dv = v_cache.shape[-1]
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = i * chunk
+        ks = jax.lax.dynamic_slice_in_dim(k_cache, start, chunk, axis=1)
+        vs = jax.lax.dynamic_slice_in_dim(v_cache, start, chunk, axis=1)
+        s = scores_of(ks, start, chunk)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # nothing visible yet: keep exp() finite (it gives 0)
+        pr = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l = l * alpha + fixed_sum(pr)
+        acc = acc * alpha[..., None] + pv(pr, vs)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((B, K, G, T), NEG_INF, jnp.float32),
+        jnp.zeros((B, K, G, T), jnp.float32),
+        jnp.zeros((B, K, G, T, Dv), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    out = acc / l[..., None]  # [B, K, G, T, Dv]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dv)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -122,8 +208,11 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": gelu_tanh}
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., In] @ w^T with w stored (Out, In) as in GGUF/PyTorch."""
+def linear(x: jax.Array, w: jax.Array | QWeight) -> jax.Array:
+    """x [..., In] @ w^T with w stored (Out, In) as in GGUF/PyTorch: an f32 array (the reference path) or a packed
+    quantized QWeight (the kernels' path, fucina_jax.kernels)."""
+    if isinstance(w, QWeight):
+        return qlinear(x, w)
     return jnp.einsum("...i,oi->...o", x, w)
 
 
@@ -205,7 +294,9 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
 
 
 def embed(params: dict, tokens: jax.Array, cfg) -> jax.Array:
-    return params["token_embd"][tokens] * jnp.float32(cfg.embed_scale)
+    w = params["token_embd"]
+    rows = take_rows(w, tokens) if isinstance(w, QWeight) else w[tokens]
+    return rows * jnp.float32(cfg.embed_scale)
 
 
 def unembed(params: dict, h: jax.Array, cfg) -> jax.Array:

@@ -1,7 +1,9 @@
 """Declarative tensor tables: GGUF tensor name + expected shape -> a place in the params pytree.
 
-Each architecture lists its tensors once (global and per layer); `load_params` reads, dequantizes to f32 and checks
-the shape of every one, so a malformed file fails with the tensor's name instead of a shape error deep in jit.
+Each architecture lists its tensors once (global and per layer); `load_params` reads and checks the shape of every
+one, so a malformed file fails with the tensor's name instead of a shape error deep in jit. A tensor becomes an f32
+array (the reference path), or, with `packed=True`, a matmul weight of a type the kernels take becomes a QWeight
+(fucina_jax.kernels): the weights only `linear`/`embed` consume, listed in PACKED_KEYS.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import numpy as np
 from fucina_jax.errors import MissingTensorError, TensorShapeError
 from fucina_jax.gguf_io import GGUFFile
 
-__all__ = ["TensorSpec", "load_params", "output_specs"]
+__all__ = ["PACKED_KEYS", "TensorSpec", "load_params", "output_specs"]
+
+# Params consumed only through layers.linear / layers.embed, so either representation works for them. Routers, norms,
+# expert stacks and Gemma 4's per-layer embedding table stay f32.
+PACKED_KEYS = frozenset({
+    "token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+    "per_layer_model_proj", "inp_gate", "proj",
+})
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ def output_specs(cfg) -> list[TensorSpec]:
     return specs
 
 
-def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str) -> np.ndarray | None:
+def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
     if name not in gf.tensors:
         if spec.optional:
             return None
@@ -51,6 +60,12 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str) -> np.ndarray | 
             f"tensor {name!r} in {gf.path!r} has shape {shape} (NumPy order) but the metadata implies {spec.shape}; "
             "the metadata and the weights disagree: re-convert the model."
         )
+    if packed and spec.key in PACKED_KEYS:
+        from fucina_jax import kernels
+
+        qtype = gf.tensors[name].qtype
+        if kernels.packable(qtype, shape):
+            return kernels.pack_weight(gf.raw(name), qtype, shape)
     return gf.load(name)
 
 
@@ -61,20 +76,31 @@ def load_params(
     layer_specs: Callable[[int], list[TensorSpec]],
     n_layers: int,
     progress: Callable[[int, int], None] | None = None,
+    *,
+    packed: bool = False,
+    place: Callable = lambda x: x,
 ) -> dict:
-    """Read every tensor of the tables into {key: f32 array, "layers": (per-layer dict, ...)}."""
+    """Read every tensor of the tables into {key: array, "layers": (per-layer dict, ...)}.
+
+    `place` maps each tensor (a NumPy array or a QWeight of them) as soon as it is read, e.g. onto the device, so the
+    host copy of one tensor at a time is all that is transient."""
+    import jax
+
+    def put(x):
+        return jax.tree_util.tree_map(place, x)
+
     params: dict = {}
     for spec in global_specs:
-        arr = _read(gf, spec, spec.name, arch)
+        arr = _read(gf, spec, spec.name, arch, packed)
         if arr is not None:
-            params[spec.key] = arr
+            params[spec.key] = put(arr)
     layers = []
     for l in range(n_layers):
         lp = {}
         for spec in layer_specs(l):
-            arr = _read(gf, spec, spec.name.format(l=l), arch)
+            arr = _read(gf, spec, spec.name.format(l=l), arch, packed)
             if arr is not None:
-                lp[spec.key] = arr
+                lp[spec.key] = put(arr)
         layers.append(lp)
         if progress:
             progress(l + 1, n_layers)

@@ -1,0 +1,121 @@
+"""Quantized CPU kernels inside jax.jit: the fast path for GGUF weights.
+
+A `QWeight` is a weight packed once at load (pack.py) and kept at ~1.1-1.25 bytes per value instead of f32's 4.
+`qlinear(x, w)` multiplies through the XLA FFI target `fucina_qmatmul` (qmatmul.cc): activations quantized per
+32-block to int8 like llama.cpp's q8_0, exact integer dot products, a fixed float sequence per output, so each row
+of the result is bitwise independent of how many rows are computed with it. `take_rows(w, ids)` gathers embedding
+rows from the packed codes, value for value the f32 path's dequantized rows.
+
+Everything here is a pure function usable under jax.jit; a QWeight is a pytree (its arrays are leaves, its shape
+facts static). The kernels pick AVX-512 VNNI, AVX2 or scalar code at run time (`isa()`, `set_isa()`, or the
+FUCINA_KERNEL_ISA environment variable), all bitwise identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, pack_tensor
+
+__all__ = ["PACKED_TYPES", "QWeight", "available", "isa", "pack_weight", "packable", "qlinear", "set_isa", "supported_isas",
+           "take_rows"]
+
+TARGET = "fucina_qmatmul"
+_registered = False
+
+
+def _module():
+    from fucina_jax.kernels import _qmatmul
+
+    return _qmatmul
+
+
+def available() -> bool:
+    """True when the compiled kernels import (they are built by `pip install`)."""
+    try:
+        _module()
+    except ImportError:
+        return False
+    return True
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        jax.ffi.register_ffi_target(TARGET, _module().handler(), platform="cpu")
+        _registered = True
+
+
+def isa() -> str:
+    """The instruction set the kernels run with now: avx512, avx2 or scalar."""
+    return _module().isa()
+
+
+def supported_isas() -> list[str]:
+    return _module().supported_isas()
+
+
+def set_isa(name: str) -> None:
+    """Force an instruction set (a lower one than the best is for testing the fallbacks; results are identical)."""
+    _module().set_isa(name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QWeight:
+    """A [n, k] weight (GGUF/PyTorch (out, in) order) in the kernels' packed layout (see pack.py)."""
+
+    q: jax.Array  # uint8 [G, k/32 * 512]
+    a: jax.Array  # f32 [G, k/bs * 16]
+    c: jax.Array  # f32, same as a (affine types) or [0] (symmetric types)
+    n: int = dataclasses.field(metadata=dict(static=True))
+    k: int = dataclasses.field(metadata=dict(static=True))
+    bs: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.size + 4 * self.a.size + 4 * self.c.size)
+
+
+def pack_weight(raw: np.ndarray, qtype, shape: tuple[int, int]) -> QWeight:
+    """Raw GGUF bytes of a [n, k] tensor of a type in PACKED_TYPES -> QWeight (NumPy leaves; jnp.asarray them)."""
+    q, a, c, bs = pack_tensor(raw, qtype, tuple(shape))
+    return QWeight(q=q, a=a, c=c, n=int(shape[0]), k=int(shape[1]), bs=bs)
+
+
+def packable(qtype, shape) -> bool:
+    return qtype in PACKED_TYPES and len(shape) == 2 and shape[1] % QBLOCK == 0 and available()
+
+
+def qlinear(x: jax.Array, w: QWeight) -> jax.Array:
+    """x [..., k] @ w^T -> [..., n], through the quantized kernel."""
+    _register()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k).astype(jnp.float32)
+    n_pad = w.q.shape[0] * LANES
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n_pad), jnp.float32))(
+        x2, w.q, w.a, w.c, bs=np.int64(w.bs)
+    )
+    if n_pad != w.n:
+        y = y[:, : w.n]
+    return y.reshape(*lead, w.n)
+
+
+def take_rows(w: QWeight, ids: jax.Array) -> jax.Array:
+    """Rows ids [...] of the weight as f32 [..., k] (an embedding lookup), dequantized from the packed codes."""
+    G, nb = w.q.shape[0], w.k // QBLOCK
+    g, lane = ids // LANES, ids % LANES
+    u = w.q.reshape(G, nb, 8, LANES, 4)[g, :, :, lane, :].reshape(*ids.shape, w.k)
+    a = jnp.repeat(w.a.reshape(G, -1, LANES)[g, :, lane], w.bs, axis=-1)
+    if w.c.size == 0:
+        return (u.astype(jnp.float32) - jnp.float32(128)) * a
+    c = jnp.repeat(w.c.reshape(G, -1, LANES)[g, :, lane], w.bs, axis=-1)
+    return u.astype(jnp.float32) * a + c

@@ -1,0 +1,175 @@
+"""GGUF quantized blocks -> the kernels' packed layout, losslessly.
+
+Every supported type is rewritten as byte codes u (0..255) with one f32 scale `a` per sub-block of `bs` values and,
+for types with a per-block minimum, one f32 offset `c`:
+
+  type   bs  form       u            a              c            value (bitwise the same as quants.dequantize)
+  Q8_0   32  symmetric  q + 128      d              -            a * (u - 128)
+  Q4_0   32  symmetric  q - 8 + 128  d              -
+  Q5_0   32  symmetric  q - 16 + 128 d              -
+  Q6_K   16  symmetric  q - 32 + 128 d * scale      -
+  Q4_1   32  affine     q            d              m            a * u + c
+  Q5_1   32  affine     q            d              m
+  Q4_K   32  affine     q            d * sc         -(dmin * m)
+  Q5_K   32  affine     q            d * sc         -(dmin * m)
+
+(`d * sc` is the float product ggml computes, so nothing is rounded that was not rounded before.) Bytes per weight:
+1.125 (bs 32 symmetric), 1.25 (bs 16 symmetric or bs 32 affine), against the file's 0.56-1.06: the price of one
+kernel with one code width; see docs/performance.md. Other types (Q2_K, Q3_K, i-quants, floats) stay on the f32
+path.
+
+Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
+  q uint8 [G, nb * 512]      per group and block: 8 chunks x 16 columns x 4 consecutive K values
+  a f32   [G, nb * 32/bs * 16]  per group: [sub-block][column]
+  c f32   same as a (affine) or [0] (symmetric)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes
+
+__all__ = ["PACKED_TYPES", "LANES", "QBLOCK", "decode_codes", "pack_codes", "pack_tensor", "unpack_values"]
+
+T = GGMLQuantizationType
+LANES = 16  # output columns per group: one AVX-512 lane each
+QBLOCK = 32  # activation quantization block along K
+_U8 = np.uint8
+
+
+def _sym(u: np.ndarray, a: np.ndarray):
+    return u, a.astype(np.float32), None
+
+
+def _q8_0(c):
+    return _sym(c[:, 2:] ^ _U8(0x80), _f16(c, 0))  # int8 q + 128 == its byte with the sign bit flipped
+
+
+def _q4_0(c):
+    return _sym(_nibbles(c, 2, 18, 16) + _U8(120), _f16(c, 0))
+
+
+def _q5_0(c):
+    return _sym(_q5_quants(c, 2, 6) + _U8(112), _f16(c, 0))
+
+
+def _q4_1(c):
+    return _nibbles(c, 4, 20, 16), _f16(c, 0), _f16(c, 2)
+
+
+def _q5_1(c):
+    return _q5_quants(c, 4, 8), _f16(c, 0), _f16(c, 2)
+
+
+def _k45(c, q):
+    sc, mn = _scale_min_k4(c[:, 4:16])
+    return q, _f16(c, 0) * sc, -(_f16(c, 2) * mn)
+
+
+def _q4_k(c):
+    return _k45(c, _nibbles(c, 16, 144, 32))
+
+
+def _q5_k(c):
+    q = _nibbles(c, 48, 176, 32)
+    high = _bit_planes(c[:, 16:48])
+    high *= _U8(16)
+    q |= high
+    return _k45(c, q)
+
+
+def _q6_k(c):
+    n = c.shape[0]
+    q = _nibbles(c, 0, 128, 64)
+    high = _crumbs(c[:, 128:192].reshape(n, 2, 32))
+    high *= _U8(16)
+    q |= high
+    q += _U8(96)
+    return _sym(q, _f16(c, 208) * c[:, 192:208].view(np.int8))
+
+
+# type -> (decoder, bs)
+_DECODERS = {
+    T.Q8_0: (_q8_0, 32),
+    T.Q4_0: (_q4_0, 32),
+    T.Q5_0: (_q5_0, 32),
+    T.Q4_1: (_q4_1, 32),
+    T.Q5_1: (_q5_1, 32),
+    T.Q4_K: (_q4_k, 32),
+    T.Q5_K: (_q5_k, 32),
+    T.Q6_K: (_q6_k, 16),
+}
+PACKED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DECODERS)
+
+
+def decode_codes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+    """Raw bytes of a [N, K] tensor -> (u uint8 [N, K], a f32 [N, K/bs], c f32 [N, K/bs] or None, bs)."""
+    decoder, bs = _DECODERS[qtype]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    N, K = shape
+    u, a, c = decoder(_as_bytes(raw).reshape(-1, type_size))
+    per_row = K // bs
+    return (
+        u.reshape(N, K),
+        np.ascontiguousarray(a, np.float32).reshape(N, per_row),
+        None if c is None else np.ascontiguousarray(c, np.float32).reshape(N, per_row),
+        bs,
+    )
+
+
+def unpack_values(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int) -> np.ndarray:
+    """The f32 weight values the codes stand for (used by tests to prove the packing lossless)."""
+    a = np.repeat(a, bs, axis=-1)
+    if c is None:
+        return (u.astype(np.float32) - np.float32(128)) * a
+    return u.astype(np.float32) * a + np.repeat(c, bs, axis=-1)
+
+
+def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int):
+    """Codes [N, K] + scales [N, K/bs] -> the kernel layout (q, a, c), columns padded to a multiple of 16."""
+    N, K = u.shape
+    G = -(-N // LANES)
+    pad = G * LANES - N
+    if pad:  # padded columns compute 0: code 128 with scale 0 (symmetric) or scale and offset 0 (affine)
+        u = np.concatenate([u, np.full((pad, K), 128, np.uint8)])
+        a = np.concatenate([a, np.zeros((pad, a.shape[1]), np.float32)])
+        if c is not None:
+            c = np.concatenate([c, np.zeros((pad, c.shape[1]), np.float32)])
+    nb = K // QBLOCK
+    q = u.reshape(G, LANES, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb * 8 * LANES * 4)
+
+    def lanes_last(s):
+        return s.reshape(G, LANES, -1).transpose(0, 2, 1).reshape(G, -1)
+
+    return (
+        np.ascontiguousarray(q),
+        np.ascontiguousarray(lanes_last(a)),
+        np.zeros((0,), np.float32) if c is None else np.ascontiguousarray(lanes_last(c)),
+    )
+
+
+def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], rows_per_chunk: int = 8192):
+    """Raw GGUF bytes of a [N, K] tensor -> (q, a, c, bs) packed, a chunk of rows at a time so the transient
+    NumPy copies stay small next to the result (Gemma 3's tied embedding is 262144 rows)."""
+    N, K = shape
+    _, bs = _DECODERS[qtype]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = _as_bytes(raw).reshape(N, K // block * type_size)
+    G = -(-N // LANES)
+    nb = K // QBLOCK
+    affine = qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K)
+    q = np.empty((G, nb * 8 * LANES * 4), np.uint8)
+    a = np.empty((G, K // bs * LANES), np.float32)
+    c = np.empty((G, K // bs * LANES), np.float32) if affine else np.zeros((0,), np.float32)
+    step = max(LANES, rows_per_chunk // LANES * LANES)
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        u_, a_, c_, _ = decode_codes(rows[n0:n1], qtype, (n1 - n0, K))
+        q_, pa, pc = pack_codes(u_, a_, c_, bs)
+        g0, g1 = n0 // LANES, n0 // LANES + q_.shape[0]
+        q[g0:g1], a[g0:g1] = q_, pa
+        if affine:
+            c[g0:g1] = pc
+    return q, a, c, bs

@@ -1,0 +1,459 @@
+// Quantized matmul y[M, N] = x[M, K] . W[N, K]^T on the CPU, called from jax.jit through the XLA FFI.
+//
+// Weights (packed once at load by fucina_jax/kernels/pack.py) are byte codes u in 0..255 with one f32 scale a per
+// sub-block of `bs` (16 or 32) values along K and, for affine types, one f32 offset c:
+//     symmetric  w = a * (u - 128)        (Q8_0, Q4_0, Q5_0, Q6_K: the GGUF value exactly)
+//     affine     w = a * u + c            (Q4_1, Q5_1, Q4_K, Q5_K)
+// Activations are quantized per row and per 32-block like ggml's q8_0: xq = round(x / dx), dx = max|x| / 127.
+// Per 32-block b of a row and sub-block j, the integer dot I = sum(u * xq) is exact (vpdpbusd: u8 x s8 -> s32), and
+// the float steps are one fixed sequence per output column:
+//     symmetric  acc = fma(dx * a, float(I - 128 * S), acc)          S = sum(xq) over the sub-block
+//     affine     acc = fma(dx * a, float(I), acc);  acc = fma(dx * c, float(S), acc)
+// so every output element is bitwise the same whatever M, the row's position in the batch, the thread count or the
+// instruction set (AVX-512 VNNI, AVX2, scalar): the property the speculative decoder's "same stream" rests on.
+// Built with -ffp-contract=off; never with -ffast-math (it would reorder the sequence above).
+//
+// Layout of one weight: output columns in groups of 16 (one AVX-512 lane each, so no horizontal reductions); per
+// group and per 32-block along K, 8 chunks x 16 lanes x 4 consecutive K values = 512 bytes; scales/offsets are
+// [group][block * (32 / bs) + j][16 lanes].
+
+#include <Python.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;       // output columns per group
+constexpr int kQB = 32;          // activation quantization block
+constexpr int kGroupBlockBytes = kQB * kLanes;  // 512
+
+// 4 activation bytes read as one int32 for a broadcast (unaligned, may alias int8 data).
+typedef int32_t i32u __attribute__((aligned(1), may_alias));
+
+// ------------------------------------------------------------------------------------------------------------------
+// Activations
+// ------------------------------------------------------------------------------------------------------------------
+
+struct Act {
+  int64_t M = 0, K = 0, nb = 0;
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> d;      // [M, nb]
+  std::vector<int32_t> s16;  // [M, 2 * nb]: sum of xq over each half-block of 16
+
+  int32_t sum(int64_t r, int64_t b, int j, int nsub) const {
+    const int32_t* s = s16.data() + r * 2 * nb + 2 * b;
+    return nsub == 2 ? s[j] : s[0] + s[1];
+  }
+};
+
+// Row quantization is scalar on purpose: it is O(M K) against the matmul's O(M K N), and IEEE division, product
+// and round-to-nearest-even give the same bits on every machine. A non-finite value poisons its block (dx = NaN), so
+// NaN/inf inputs give NaN outputs as the f32 path would, never a silent garbage integer.
+void quantize_rows(const float* x, Act& a) {
+  for (int64_t r = 0; r < a.M; ++r) {
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float* xb = x + r * a.K + b * kQB;
+      int8_t* qb = a.q.data() + r * a.K + b * kQB;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < kQB; ++i) {
+        finite &= std::isfinite(xb[i]);
+        amax = std::max(amax, std::fabs(xb[i]));
+      }
+      int32_t s0 = 0, s1 = 0;
+      float d = amax / 127.0f;
+      if (!finite) {
+        d = NAN;
+        std::memset(qb, 0, kQB);
+      } else {
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < kQB; ++i) {
+          float v = std::nearbyint(xb[i] * id);
+          v = std::min(127.0f, std::max(-127.0f, v));
+          qb[i] = static_cast<int8_t>(v);
+          (i < 16 ? s0 : s1) += static_cast<int32_t>(v);
+        }
+      }
+      a.d[r * a.nb + b] = d;
+      a.s16[r * 2 * a.nb + 2 * b] = s0;
+      a.s16[r * 2 * a.nb + 2 * b + 1] = s1;
+    }
+  }
+}
+
+struct Weights {
+  const uint8_t* q;  // [G, nb, 512]
+  const float* a;    // [G, nb * nsub, 16]
+  const float* c;    // same, affine only (else null)
+  int64_t nb;
+  int nsub;          // 32 / bs
+};
+
+// Computes out[r, g*16 .. g*16+15] for rows [r0, r1) of one column group.
+using GroupFn = void (*)(const Weights&, int64_t g, const Act&, int64_t r0, int64_t r1, float* out, int64_t ldo);
+
+// ------------------------------------------------------------------------------------------------------------------
+// Scalar (portable reference of the float sequence)
+// ------------------------------------------------------------------------------------------------------------------
+
+void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
+  const uint8_t* wq = w.q + g * w.nb * kGroupBlockBytes;
+  const int64_t ns = w.nb * w.nsub;
+  const float* wa = w.a + g * ns * kLanes;
+  const float* wc = w.c ? w.c + g * ns * kLanes : nullptr;
+  const int cps = 8 / w.nsub;  // 4-value chunks per sub-block
+  for (int64_t r = r0; r < r1; ++r) {
+    const int8_t* xr = x.q.data() + r * x.K;
+    for (int l = 0; l < kLanes; ++l) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < w.nb; ++b) {
+        const uint8_t* wb = wq + b * kGroupBlockBytes;
+        const float dx = x.d[r * x.nb + b];
+        for (int j = 0; j < w.nsub; ++j) {
+          int32_t I = 0;
+          for (int ci = j * cps; ci < (j + 1) * cps; ++ci)
+            for (int e = 0; e < 4; ++e)
+              I += static_cast<int32_t>(wb[(ci * kLanes + l) * 4 + e]) * xr[b * kQB + ci * 4 + e];
+          const int32_t S = x.sum(r, b, j, w.nsub);
+          const int64_t si = (b * w.nsub + j) * kLanes + l;
+          if (wc) {
+            acc = std::fmaf(dx * wa[si], static_cast<float>(I), acc);
+            acc = std::fmaf(dx * wc[si], static_cast<float>(S), acc);
+          } else {
+            acc = std::fmaf(dx * wa[si], static_cast<float>(I - 128 * S), acc);
+          }
+        }
+      }
+      out[r * ldo + g * kLanes + l] = acc;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// AVX2 + FMA: 8 lanes per register, two halves per group. No VNNI: a byte product u * xq is split into nibbles so
+// vpmaddubsw (u8 x s8 pairs -> s16, saturating) never saturates: 2 * 15 * 127 < 32767.
+// ------------------------------------------------------------------------------------------------------------------
+
+template <int R>
+__attribute__((target("avx2,fma"))) void rows_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, float* out,
+                                                   int64_t ldo) {
+  const uint8_t* wq = w.q + g * w.nb * kGroupBlockBytes;
+  const int64_t ns = w.nb * w.nsub;
+  const float* wa = w.a + g * ns * kLanes;
+  const float* wc = w.c ? w.c + g * ns * kLanes : nullptr;
+  const int cps = 8 / w.nsub;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const uint8_t* wb = wq + b * kGroupBlockBytes + 32 * h;
+      for (int j = 0; j < w.nsub; ++j) {
+        const int64_t si = (b * w.nsub + j) * kLanes + 8 * h;
+        const __m256 a = _mm256_loadu_ps(wa + si);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = x.q.data() + (r0 + r) * x.K + b * kQB;
+          __m256i I = _mm256_setzero_si256();
+          for (int ci = j * cps; ci < (j + 1) * cps; ++ci) {
+            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ci * 64));
+            int32_t x4;
+            std::memcpy(&x4, xb + ci * 4, 4);
+            const __m256i xv = _mm256_set1_epi32(x4);
+            const __m256i lo = _mm256_and_si256(u, nib);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), nib);
+            const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xv), ones);
+            const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xv), ones);
+            I = _mm256_add_epi32(I, _mm256_add_epi32(plo, _mm256_slli_epi32(phi, 4)));
+          }
+          const float dx = x.d[(r0 + r) * x.nb + b];
+          const int32_t S = x.sum(r0 + r, b, j, w.nsub);
+          const __m256 s = _mm256_mul_ps(_mm256_set1_ps(dx), a);
+          if (wc) {
+            acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(I), acc[r]);
+            const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(dx), _mm256_loadu_ps(wc + si));
+            acc[r] = _mm256_fmadd_ps(sc, _mm256_set1_ps(static_cast<float>(S)), acc[r]);
+          } else {
+            I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * S));
+            acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(I), acc[r]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + (r0 + r) * ldo + g * kLanes + 8 * h, acc[r]);
+  }
+}
+
+void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
+  for (int64_t r = r0; r < r1;) {
+    const int64_t n = r1 - r;
+    if (n >= 4) { rows_avx2<4>(w, g, x, r, out, ldo); r += 4; }
+    else if (n == 3) { rows_avx2<3>(w, g, x, r, out, ldo); r += 3; }
+    else if (n == 2) { rows_avx2<2>(w, g, x, r, out, ldo); r += 2; }
+    else { rows_avx2<1>(w, g, x, r, out, ldo); r += 1; }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// AVX-512 VNNI: 16 lanes = 16 output columns per register, vpdpbusd does 4 byte products per lane per instruction.
+// The 8 weight vectors of a 32-block stay in registers while up to 8 rows use them.
+// ------------------------------------------------------------------------------------------------------------------
+
+template <int R, int NSUB, bool AFFINE>
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(const Weights& w, int64_t g, const Act& x,
+                                                                             int64_t r0, float* out, int64_t ldo) {
+  const uint8_t* wq = w.q + g * w.nb * kGroupBlockBytes;
+  const int64_t ns = w.nb * NSUB;
+  const float* wa = w.a + g * ns * kLanes;
+  const float* wc = AFFINE ? w.c + g * ns * kLanes : nullptr;
+  constexpr int cps = 8 / NSUB;
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xq = x.q.data() + r0 * x.K;
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* wb = wq + b * kGroupBlockBytes;
+    __m512i wv[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) wv[i] = _mm512_loadu_si512(wb + 64 * i);
+#pragma GCC unroll 2
+    for (int j = 0; j < NSUB; ++j) {
+      const int64_t si = (b * NSUB + j) * kLanes;
+      const __m512 a = _mm512_loadu_ps(wa + si);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = xq + r * x.K + b * kQB;
+        // Two accumulators halve the vpdpbusd dependency chain; integer sums are exact in any order.
+        __m512i I0 = _mm512_setzero_si512(), I1 = _mm512_setzero_si512();
+        const i32u* x4 = reinterpret_cast<const i32u*>(xb + j * cps * 4);
+#pragma GCC unroll 8
+        for (int i = 0; i < cps; i += 2) {
+          I0 = _mm512_dpbusd_epi32(I0, wv[j * cps + i], _mm512_set1_epi32(x4[i]));
+          I1 = _mm512_dpbusd_epi32(I1, wv[j * cps + i + 1], _mm512_set1_epi32(x4[i + 1]));
+        }
+        __m512i I = _mm512_add_epi32(I0, I1);
+        const __m512 dx = _mm512_set1_ps(x.d[(r0 + r) * x.nb + b]);
+        const int32_t S = x.sum(r0 + r, b, j, NSUB);
+        if (AFFINE) {
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, a), _mm512_cvtepi32_ps(I), acc[r]);
+          const __m512 sc = _mm512_mul_ps(dx, _mm512_loadu_ps(wc + si));
+          acc[r] = _mm512_fmadd_ps(sc, _mm512_set1_ps(static_cast<float>(S)), acc[r]);
+        } else {
+          I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * S));
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, a), _mm512_cvtepi32_ps(I), acc[r]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo + g * kLanes, acc[r]);
+}
+
+template <int NSUB, bool AFFINE>
+void group_avx512_t(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
+  for (int64_t r = r0; r < r1;) {
+    switch (std::min<int64_t>(r1 - r, 8)) {
+      case 8: rows_avx512<8, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 8; break;
+      case 7: rows_avx512<7, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 7; break;
+      case 6: rows_avx512<6, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 6; break;
+      case 5: rows_avx512<5, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 5; break;
+      case 4: rows_avx512<4, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 4; break;
+      case 3: rows_avx512<3, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 3; break;
+      case 2: rows_avx512<2, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 2; break;
+      default: rows_avx512<1, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 1; break;
+    }
+  }
+}
+
+void group_avx512(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
+  if (w.nsub == 1) {
+    w.c ? group_avx512_t<1, true>(w, g, x, r0, r1, out, ldo) : group_avx512_t<1, false>(w, g, x, r0, r1, out, ldo);
+  } else {
+    w.c ? group_avx512_t<2, true>(w, g, x, r0, r1, out, ldo) : group_avx512_t<2, false>(w, g, x, r0, r1, out, ldo);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Dispatch: the best instruction set this CPU has, unless FUCINA_KERNEL_ISA or set_isa() asks for a lower one.
+// ------------------------------------------------------------------------------------------------------------------
+
+struct Isa {
+  const char* name;
+  GroupFn fn;
+  bool (*supported)();
+};
+
+bool has_scalar() { return true; }
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+}
+
+const Isa kIsas[] = {{"avx512", group_avx512, has_avx512}, {"avx2", group_avx2, has_avx2}, {"scalar", group_scalar, has_scalar}};
+
+std::atomic<int> g_isa{-1};
+
+int best_isa() {
+  for (int i = 0; i < 3; ++i)
+    if (kIsas[i].supported()) return i;
+  return 2;
+}
+
+int current_isa() {
+  int i = g_isa.load(std::memory_order_relaxed);
+  if (i < 0) {
+    i = best_isa();
+    if (const char* env = std::getenv("FUCINA_KERNEL_ISA")) {
+      for (int k = 0; k < 3; ++k)
+        if (std::strcmp(env, kIsas[k].name) == 0 && kIsas[k].supported()) i = k;
+    }
+    g_isa.store(i);
+  }
+  return i;
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// The FFI handler: quantize the rows once, then column groups in parallel on XLA's intra-op thread pool.
+// ------------------------------------------------------------------------------------------------------------------
+
+struct Job {
+  Weights w;
+  Act act;
+  GroupFn fn;
+  float* out;
+  int64_t ldo, G, per_chunk, n_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
+      const int64_t g1 = std::min(G, (c + 1) * per_chunk);
+      for (int64_t g = c * per_chunk; g < g1; ++g) fn(w, g, act, 0, act.M, out, ldo);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                       ffi::Buffer<ffi::F32> wa, ffi::Buffer<ffi::F32> wc, ffi::ResultBuffer<ffi::F32> y, int64_t bs) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("fucina_qmatmul: x and y must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (yd[0] != M) return ffi::Error::InvalidArgument("fucina_qmatmul: x and y row counts differ");
+  if (bs != 16 && bs != 32) return ffi::Error::InvalidArgument("fucina_qmatmul: bs must be 16 or 32");
+  if (K % kQB || N % kLanes) return ffi::Error::InvalidArgument("fucina_qmatmul: K % 32 or N % 16 is not 0");
+  const int64_t G = N / kLanes, nb = K / kQB, nsub = kQB / bs;
+  if (static_cast<int64_t>(wq.element_count()) != G * nb * kGroupBlockBytes ||
+      static_cast<int64_t>(wa.element_count()) != G * nb * nsub * kLanes ||
+      (wc.element_count() != 0 && static_cast<int64_t>(wc.element_count()) != G * nb * nsub * kLanes))
+    return ffi::Error::InvalidArgument("fucina_qmatmul: packed weight sizes do not match x and y");
+  if (M == 0) return ffi::Error::Success();
+
+  auto job = std::make_shared<Job>();
+  job->w = Weights{wq.typed_data(), wa.typed_data(), wc.element_count() ? wc.typed_data() : nullptr, nb,
+                   static_cast<int>(nsub)};
+  job->act.M = M;
+  job->act.K = K;
+  job->act.nb = nb;
+  job->act.q.resize(M * K);
+  job->act.d.resize(M * nb);
+  job->act.s16.resize(M * 2 * nb);
+  quantize_rows(x.typed_data(), job->act);
+  job->fn = kIsas[current_isa()].fn;
+  job->out = y->typed_data();
+  job->ldo = N;
+  job->G = G;
+
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Several chunks per thread balance uneven progress; a chunk is never split, so results do not depend on it.
+  job->per_chunk = std::max<int64_t>(1, G / (threads * 4));
+  job->n_chunks = (G + job->per_chunk - 1) / job->per_chunk;
+  // Helpers share the job by reference count: one scheduled late finds no work and returns without touching the
+  // buffers, which belong to XLA only until this call returns.
+  for (int64_t t = 1; t < std::min(threads, job->n_chunks); ++t) pool.Schedule([job] { job->run(); });
+  job->run();
+  while (job->done.load(std::memory_order_acquire) < job->n_chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bs"));
+
+// ------------------------------------------------------------------------------------------------------------------
+// Python module: the handler capsule and the instruction-set switch (tests force the fallbacks with it).
+// ------------------------------------------------------------------------------------------------------------------
+
+static PyObject* py_handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&FucinaQMatmul), nullptr, nullptr);
+}
+
+static PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(kIsas[current_isa()].name); }
+
+static PyObject* py_supported_isas(PyObject*, PyObject*) {
+  PyObject* out = PyList_New(0);
+  for (const Isa& i : kIsas)
+    if (i.supported()) {
+      PyObject* s = PyUnicode_FromString(i.name);
+      PyList_Append(out, s);
+      Py_DECREF(s);
+    }
+  return out;
+}
+
+static PyObject* py_set_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  for (int k = 0; k < 3; ++k) {
+    if (std::strcmp(name, kIsas[k].name) == 0) {
+      if (!kIsas[k].supported()) {
+        PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s kernels", name);
+        return nullptr;
+      }
+      g_isa.store(k);
+      Py_RETURN_NONE;
+    }
+  }
+  PyErr_Format(PyExc_ValueError, "unknown kernel instruction set %R; choose avx512, avx2 or scalar", arg);
+  return nullptr;
+}
+
+static PyMethodDef kMethods[] = {
+    {"handler", py_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler fucina_qmatmul."},
+    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use now."},
+    {"supported_isas", py_supported_isas, METH_NOARGS, "Instruction sets this CPU can run, best first."},
+    {"set_isa", py_set_isa, METH_O, "Use the kernels of this instruction set (avx512, avx2, scalar)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_qmatmul", "Quantized matmul kernels (XLA FFI).", -1, kMethods};
+
+PyMODINIT_FUNC PyInit__qmatmul(void) { return PyModule_Create(&kModule); }
