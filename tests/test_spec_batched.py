@@ -26,7 +26,7 @@ from fucina_jax.spec import batched as sb
 from fucina_jax.spec.batched import BatchedSpeculativeDecoder, generate_batched
 
 CTX = 128
-OPTIONS = SpecOptions(max_draft=7)
+OPTIONS = SpecOptions(max_draft=7, min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft runs
 N_ROWS = 8
 # Row r: (prompt length, max_tokens, source kind, stop mid-run). The stop row's perfect source drafts past its stop.
 ROWS = [
@@ -135,7 +135,7 @@ def test_batched_equals_each_conversation_alone(arch, B, mode):
     rows = ROW_SETS[B]
     prompts, maxes, samps, stops, sources, expected = arch.case(rows, mode)
     results = generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops,
-                               sources=sources, options=OPTIONS)
+                               sources=sources, options=OPTIONS, clock=False)
     assert len(results) == B
     for r, res, want, src in zip(rows, results, expected, sources):
         assert res.tokens == want.tokens, f"row {r} ({ROWS[r][2]}) differs from its plain run"
@@ -167,7 +167,7 @@ def test_stop_sampled_inside_an_accepted_run(arch):
     accepted, and nothing from that row on is committed."""
     prompts, maxes, samps, stops, sources, expected = arch.case([0], "greedy")
     (res,) = generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops,
-                              sources=sources, options=OPTIONS)
+                              sources=sources, options=OPTIONS, clock=False)
     assert res.stop_reason == "eog" and res.tokens == expected[0].tokens
     free = arch.plain(0, "greedy").tokens
     assert free[len(res.tokens)] == stops[0][0]  # it stopped exactly where the free run samples the stop id
@@ -181,23 +181,43 @@ def test_no_recompile_inside_a_bucket(arch):
     """A second batch with other prompts, lengths, seeds, drafts and stop times compiles nothing new."""
     prompts, maxes, samps, stops, sources, _ = arch.case(ROW_SETS[3], "sampled")
     generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops, sources=sources,
-                     options=OPTIONS)
+                     options=OPTIONS, clock=False)
     before = dict(sb.TRACE_COUNTS)
     rng = np.random.default_rng(9)
     other = [rng.integers(0, 200, n).tolist() for n in (13, 2, 40)]
     samps = [SamplerConfig(temperature=0.5, top_k=17, seed=s) for s in (1, 2, 3)]
     generate_batched(arch.model, other, max_tokens=[9, 30, 17], sampler=samps, ctx=CTX, stop_ids=[(), (5,), ()],
-                     sources=[SpeculationIndex(arch.model.config.n_vocab) for _ in other], options=OPTIONS)
+                     sources=[SpeculationIndex(arch.model.config.n_vocab) for _ in other], options=OPTIONS,
+                     clock=False)
     assert dict(sb.TRACE_COUNTS) == before
 
 
 def test_disabled_speculation_is_batched_plain_decoding(arch):
     prompts, maxes, samps, stops, sources, expected = arch.case(ROW_SETS[3], "sampled")
     results = generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops,
-                               sources=sources, options=SpecOptions(max_draft=7, enabled=False))
+                               sources=sources, options=SpecOptions(max_draft=7, enabled=False), clock=False)
     for res, want in zip(results, expected):
         assert res.tokens == want.tokens
         assert res.spec["disabled_steps"] == res.spec["steps"] and res.spec["drafted"] == 0
+
+
+@pytest.mark.parametrize("clock", [False, True])
+def test_gate_trips_on_a_losing_batch_and_never_changes_the_stream(arch, clock):
+    """Default gate: with every row's drafts garbage, the batch's verifies lose (cost > 1 plain step for one token
+    per row), the gate switches speculation off for the batch; every stream is still its plain stream. With a
+    clock the first step runs plainly (the gate times a plain step before pricing verifies)."""
+    prompts, maxes, samps, stops, _, expected = arch.case(ROW_SETS[3], "sampled")
+    n_vocab = arch.model.config.n_vocab
+    sources = [ScriptedSource(garbage(p + e.tokens, n_vocab)) for p, e in zip(prompts, expected)]
+    results = generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops,
+                               sources=sources, options=SpecOptions(max_draft=7), clock=clock)
+    for res, want in zip(results, expected):
+        assert res.tokens == want.tokens
+    s = max(results, key=lambda r: r.spec["steps"]).spec
+    assert s["gate"]["trips"] == 1 and s["gate"]["state"] == "off", s["gate"]
+    assert s["disabled_steps"] > 0 and s["verify_steps"] >= 2
+    if clock:
+        assert s["fallback_steps"] >= 1  # the calibration step
 
 
 def test_bad_input(arch):
@@ -209,4 +229,4 @@ def test_bad_input(arch):
     bad = ScriptedSource(lambda stream, step: [m.config.n_vocab + 3, 1])
     with pytest.raises(DraftSourceError, match="row 1 proposed token id"):
         generate_batched(m, [[1, 2], [3, 4, 5]], max_tokens=5, sampler=GREEDY, ctx=CTX, stop_ids=(),
-                         sources=[None, bad], options=OPTIONS)
+                         sources=[None, bad], options=OPTIONS, clock=False)

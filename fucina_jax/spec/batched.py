@@ -20,11 +20,16 @@ So every row's stream is the stream that conversation alone produces with plain 
 the same sampler values and seed. The logits of a row in a batch can differ from the same row alone in the last
 bits (the matmuls see B*k rows instead of 1), the same caveat the single decoder has between verify and decode.
 
-Gate: none. Every row drafts whenever its source proposes >= min_draft tokens (SpecOptions.max_draft/min_draft
-apply; the CostGate does not). Why: the gate prices a verify of k rows against one plain step for ONE stream; in a
-batch the forward is shared, its cost is set by the widest row and amortised over every row, and a row's padding
-costs the same whether or not it drafts, so the single-stream economics do not carry over. `enabled=False` turns
-every step into a batched plain step (k = 1): the plain baseline of scripts/bench_batch.py.
+Gate: ONE CostGate for the whole batch, fed the batch's economics. A step is one forward for every row, so the
+question is whether the batch's verify beats the batch's plain step (k = 1): a verify step commits C tokens over the
+n active rows where a plain step commits n, at a cost of c plain steps, so it enters the gate's window as
+(C committed, cost c * n): est_speedup = C / (c * n), tokens per row per plain-step time. With a clock, c is the
+measured verify/plain wall-time ratio of this batch (the first steps run plain until one plain step is timed), else
+the static cost table at the step's width. Why not the single-stream table alone: at B > 1 a CPU forward stops being
+bound by streaming the weights and its cost grows with B * k, so a verify of width 8 costs ~5 plain steps at B = 2
+(Gemma 3 270M, 2 cores) instead of 1.4 at B = 1. When the gate is off every row steps plainly; the rows' drafts are
+capped by the gate's acceptance-adaptive budget (the batch's acceptance). The gate never changes what is committed.
+`enabled=False` turns every step into a batched plain step: the plain baseline of scripts/bench_batch.py.
 
 Prefill: the prompts are prefilled together in chunks of the largest prefill bucket (engine.prefill_step with the
 per-row number of valid tokens; a row whose prompt ended in an earlier chunk gets n_valid = 0 and only rides along).
@@ -35,7 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import jax
@@ -51,7 +56,7 @@ from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import ModelConfig
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.spec.decoder import SpecStats
-from fucina_jax.spec.gate import MAX_DRAFT, SpecOptions
+from fucina_jax.spec.gate import MAX_DRAFT, CostGate, SpecOptions, table_cost
 from fucina_jax.spec.steps import TOPK_FEEDBACK
 
 __all__ = [
@@ -174,6 +179,7 @@ class BatchedSpeculativeDecoder:
 
     sources[b]: row b's DraftSource; None gives the row no drafts (it always rides with width 1).
     samplers: one SamplerConfig for every row or one per row (each validated: a None seed becomes a concrete one).
+    clock (ns, e.g. time.perf_counter_ns): prices verifies by measured wall time; None uses the static cost table.
     """
 
     def __init__(
@@ -185,6 +191,7 @@ class BatchedSpeculativeDecoder:
         samplers: SamplerConfig | Sequence[SamplerConfig] | None = None,
         ctx: int | None = None,
         options: SpecOptions | None = None,
+        clock: Callable[[], int] | None = None,
     ):
         if batch < 1:
             raise ValueError(f"batch = {batch}: at least one row is needed")
@@ -192,6 +199,8 @@ class BatchedSpeculativeDecoder:
         self.B = int(batch)
         self.ctx = int(ctx or model.default_ctx)
         self.options = (options or SpecOptions()).validate()
+        self.gate = CostGate(self.options)
+        self.clock = clock
         self.sources = list(sources) if sources is not None else [None] * self.B
         if isinstance(samplers, SamplerConfig) or samplers is None:
             samplers = [samplers or SamplerConfig()] * self.B
@@ -210,6 +219,7 @@ class BatchedSpeculativeDecoder:
         self.streams = np.zeros((self.B, self.ctx), np.int32)
         self.n = np.zeros(self.B, np.int64)
         self._buf = np.zeros(MAX_DRAFT, np.int32)
+        self._last_accepted = [0] * self.B  # per row, of the current step
         self.cache = None
         self.history = None
 
@@ -263,17 +273,25 @@ class BatchedSpeculativeDecoder:
             raise RuntimeError("call begin() (and bootstrap()) before step()")
         o = self.options
         B = self.B
+        gate = self.gate
+        # With a clock, the gate needs the plain step's time before it can price a verify: step plainly until one
+        # plain step ran without compiling.
+        calibrating = self.clock is not None and gate.plain_samples == 0
+        speculate = o.enabled and not calibrating and gate.allows()
+        budget = o.max_draft
+        if o.adapt_budget:
+            budget = min(budget, gate.budget_cap(o.max_draft, o.min_draft))
         drafts: list[np.ndarray] = []
         for b in range(B):
             d = np.zeros(0, np.int32)
             if limits[b] > 0:
                 self.stats[b].steps += 1
-                max_draft = min(o.max_draft, limits[b] - 1)
-                if o.enabled and self.sources[b] is not None and max_draft >= o.min_draft:
+                max_draft = min(budget, limits[b] - 1)
+                if speculate and self.sources[b] is not None and max_draft >= o.min_draft:
                     d = self._suggest(b, max_draft)
                     if d.size < o.min_draft:
                         d = d[:0]
-                if not o.enabled:
+                if not o.enabled or not (speculate or calibrating):
                     self.stats[b].disabled_steps += 1
                 elif d.size == 0:
                     self.stats[b].fallback_steps += 1
@@ -287,6 +305,8 @@ class BatchedSpeculativeDecoder:
             toks[b, 1 : 1 + d.size] = d
             dr[b, : d.size] = d
         start = jnp.asarray(self.n - 1, jnp.int32)
+        traced = _trace_total()
+        t0 = self.clock() if self.clock else 0
         cache, self.cache = self.cache, None  # donated below
         try:
             sampled_dev, topk, self.cache = batched_verify_sample_step(
@@ -298,6 +318,7 @@ class BatchedSpeculativeDecoder:
             raise
         # Nothing below touches the cache: the next step's `start` rewinds every row to what it committed.
         sampled = np.asarray(sampled_dev)
+        step_ns = self.clock() - t0 if self.clock and _trace_total() == traced else None
         out = []
         n_new = np.zeros(B, np.int32)
         for b, d in enumerate(drafts):
@@ -308,6 +329,19 @@ class BatchedSpeculativeDecoder:
             n_new[b] = len(committed)
             out.append((committed, stopped))
         self.history = _push_each(self.history, sampled_dev, jnp.asarray(n_new))
+        if width == 1:
+            if step_ns is not None:
+                gate.note_plain_ns(step_ns)
+        else:
+            # The batch's verify against the batch's plain step: cost in plain steps, times the active rows (a plain
+            # step commits one token per active row), so est_speedup is tokens per row per plain-step time.
+            if step_ns is not None and gate.plain_samples:
+                cost = max(step_ns / gate.plain_ns, 1.0)
+            else:
+                cost = max(table_cost(o.cost_table, width - 1), 1.0)
+            active = [b for b in range(B) if limits[b] > 0]
+            gate.record_verify(int(n_new.sum()), sum(self._last_accepted[b] for b in active),
+                               sum(drafts[b].size for b in active), cost * len(active))
         topk_rows = np.asarray(topk) if topk is not None else None
         for b, (committed, _) in enumerate(out):
             self.streams[b, self.n[b] : self.n[b] + len(committed)] = committed
@@ -347,6 +381,7 @@ class BatchedSpeculativeDecoder:
             st.verify_steps += 1
             st.drafted += d
             st.accepted += accepted
+        self._last_accepted[b] = accepted
         st.committed += len(committed)
         return committed, stopped
 
@@ -369,7 +404,7 @@ class BatchedSpeculativeDecoder:
         st = self.stats[b]
         out = dataclasses.asdict(st)
         out.update(tok_per_step=round(st.tok_per_step, 4), acceptance=round(st.acceptance, 4), summary=st.summary(),
-                   max_draft=self.options.max_draft, batch=self.B)
+                   max_draft=self.options.max_draft, batch=self.B, gate=self.gate.decisions())
         src = self.sources[b]
         if src is not None and hasattr(src, "summary"):
             out["sources_summary"] = src.summary()
@@ -394,6 +429,7 @@ def generate_batched(
     stop_ids: Iterable[int] | Sequence[Iterable[int]] | None = None,
     sources: Sequence[DraftSource | None] | None = None,
     options: SpecOptions | None = None,
+    clock: bool | Callable[[], int] = True,
 ) -> list[GenerationResult]:
     """Decode every prompt (token ids, BOS included) as its own conversation, all in one batch; returns one
     GenerationResult per prompt, each with the tokens fucina_jax.generate.generate gives for that prompt alone.
@@ -401,7 +437,8 @@ def generate_batched(
     max_tokens, sampler, stop_ids: one value for all rows or a list with one per row (stop_ids None: the model's
     end-of-generation ids; a list of ints is one stop set for all rows). sources: one DraftSource (or None: no
     drafts) per row; sources=None gives each row a fresh SpeculationIndex. options.enabled=False decodes plainly
-    (one token per row per step). Timing: prompt_seconds is the shared prefill; decode_seconds is the wall time
+    (one token per row per step). clock: True prices the batch gate's verifies with time.perf_counter_ns, False
+    with the static cost table only. Timing: prompt_seconds is the shared prefill; decode_seconds is the wall time
     of the steps the row was active in (the row shares them with the batch).
     """
     B = len(prompts)
@@ -421,8 +458,9 @@ def generate_batched(
         from fucina_jax.index import SpeculationIndex
 
         sources = [SpeculationIndex(model.config.n_vocab) for _ in range(B)]
+    tick = time.perf_counter_ns if clock is True else (clock or None)
     dec = BatchedSpeculativeDecoder(model, B, sources=sources, samplers=[c[1] for c in checked], ctx=ctx,
-                                    options=options)
+                                    options=options, clock=tick)
     tokens: list[list[int]] = [[] for _ in range(B)]
     reason = ["max_tokens"] * B
     done = [m <= 0 for m in maxes]
