@@ -31,12 +31,12 @@ DEFAULT_MAX_DRAFT = 7
 
 # Repetitive / grounded prompts: lists, copies and counting give the conversation index something to draft from.
 PROMPTS = [
-    "The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday. "
-    "The days of the week are",
+    ("The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday. "
+     "The days of the week are"),
     "Count from 1 to 100, separated by commas: 1, 2, 3, 4, 5, 6, 7, 8,",
     "Repeat the sentence three times. The quick brown fox jumps over the lazy dog. The quick brown fox jumps over",
-    "The months of the year are January, February, March, April, May, June, July, August, September, October, "
-    "November and December. The months of the year are",
+    ("The months of the year are January, February, March, April, May, June, July, August, September, October, "
+     "November and December. The months of the year are"),
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
     "A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q, R, S, T, U, V, W, X, Y, Z. Again: A, B, C, D,",
     "Red, orange, yellow, green, blue, indigo, violet. The colours of the rainbow are red, orange,",
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
         print("spec / plain aggregate: " + ", ".join(f"B={B} {table[B, 'spec'] / table[B, 'plain']:.2f}x"
                                                      for B in batches))
     base = table[batches[0], "plain"]
-    print("plain aggregate vs B=%d: " % batches[0] + ", ".join(f"B={B} {table[B, 'plain'] / base:.2f}x"
-                                                               for B in batches))
+    print(f"plain aggregate vs B={batches[0]}: " + ", ".join(f"B={B} {table[B, 'plain'] / base:.2f}x"
+                                                             for B in batches))
     return 0
 
 

@@ -42,8 +42,8 @@ ROWS = [
 GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)
 # Greedy through penalties: the tiny random models' plain greedy streams repeat one or two ids; penalised argmax
 # streams vary, so a row mixed up with another cannot pass by accident.
-GREEDY_PENALISED = SamplerConfig(temperature=0.0, top_k=20, repeat_penalty=1.5, presence_penalty=3.0, frequency_penalty=1.0,
-                                 repeat_last_n=64, seed=0)
+GREEDY_PENALISED = SamplerConfig(temperature=0.0, top_k=20, repeat_penalty=1.5, presence_penalty=3.0,
+                                 frequency_penalty=1.0, repeat_last_n=64, seed=0)
 
 
 def samplers(mode):
@@ -74,6 +74,15 @@ def make_prompts(n_vocab):
     return prompts
 
 
+def make_source(kind, truth, n_vocab):
+    if kind == "none":
+        return None
+    if kind == "cascade":
+        return SpeculationIndex(n_vocab)
+    fn = {"perfect": perfect(truth), "garbage": garbage(truth, n_vocab), "alternating": alternating(truth, n_vocab)}
+    return ScriptedSource(fn[kind])
+
+
 class Arch:
     """One fixture model with its prompts and plain references (computed once per module)."""
 
@@ -102,17 +111,11 @@ class Arch:
         n_vocab = self.model.config.n_vocab
         prompts, maxes, samps, stops, sources, expected = [], [], [], [], [], []
         for r in rows:
-            n, max_tokens, kind, stop_mid = ROWS[r]
+            _, max_tokens, kind, stop_mid = ROWS[r]
             stop = self.stop_for(r, mode) if stop_mid else ()
             free = self.plain(r, mode)  # no stop: the perfect source drafts past the stop id
             truth = self.prompts[r] + free.tokens
-            sources.append({
-                "perfect": lambda: ScriptedSource(perfect(truth)),
-                "garbage": lambda: ScriptedSource(garbage(truth, n_vocab)),
-                "alternating": lambda: ScriptedSource(alternating(truth, n_vocab)),
-                "none": lambda: None,
-                "cascade": lambda: SpeculationIndex(n_vocab),
-            }[kind]())
+            sources.append(make_source(kind, truth, n_vocab))
             prompts.append(self.prompts[r])
             maxes.append(max_tokens)
             samps.append(samplers(mode)[r])
