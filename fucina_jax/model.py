@@ -26,12 +26,14 @@ DEFAULT_CTX = 4096
 
 
 def enable_compilation_cache() -> None:
-    """Turn on JAX's persistent compilation cache in the user's cache directory (~/.cache/fucina_jax/xla), unless
-    the user configured one or set FUCINA_JAX_NO_CACHE=1: a warm start then skips the XLA compiles (seconds each)."""
+    """Turn on JAX's persistent compilation cache in the user's cache directory (~/.cache/fucina_jax/xla, or
+    $FUCINA_JAX_CACHE_DIR), unless the user configured one or set FUCINA_JAX_NO_CACHE=1: a warm start then skips
+    the XLA compiles (seconds each)."""
     if os.environ.get("FUCINA_JAX_NO_CACHE") or jax.config.jax_compilation_cache_dir:
         return
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    jax.config.update("jax_compilation_cache_dir", os.path.join(base, "fucina_jax", "xla"))
+    where = os.environ.get("FUCINA_JAX_CACHE_DIR") or os.path.join(base, "fucina_jax", "xla")
+    jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

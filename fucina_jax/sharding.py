@@ -196,6 +196,13 @@ def param_shardings(params, cfg: ModelConfig, mesh: Mesh):
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
     """params (jax or NumPy arrays) placed with their NamedShardings; NumPy arrays go straight to their shards, so a
     model larger than one device never has to fit on one."""
+    from fucina_jax.kernels import QWeight
+
+    if any(isinstance(x, QWeight) for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QWeight))):
+        raise MeshError(
+            "quantized-kernel weights cannot be sharded (an FFI call runs on one device); load the model with "
+            "fucina_jax.load(path, f32=True) or fucina_jax.sharding.load_sharded(path, mesh)"
+        )
     return jax.device_put(params, param_shardings(params, cfg, mesh))
 
 
@@ -371,7 +378,7 @@ def main(argv=None) -> int:
             if path.startswith("fixture:"):
                 path = _write_fixture(path.split(":", 1)[1], tmp)
             t0 = time.perf_counter()
-            model = fucina_jax.load(path)
+            model = fucina_jax.load(path, f32=True)
             mesh = make_mesh(args.devices, data=args.data)
         except (FucinaError, FileNotFoundError, KeyError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -4,7 +4,8 @@
 // sub-block of `bs` (16 or 32) values along K and, for affine types, one f32 offset c:
 //     symmetric  w = a * (u - 128)        (Q8_0, Q4_0, Q5_0, Q6_K: the GGUF value exactly)
 //     affine     w = a * u + c            (Q4_1, Q5_1, Q4_K, Q5_K)
-// Activations are quantized per row and per 32-block like ggml's q8_0: xq = round(x / dx), dx = max|x| / 127.
+// Activations are quantized per row and per 32-block exactly like ggml's q8_0: d = max|x| / 127, xq = round(x / d)
+// (to nearest even), and the block keeps dx = fp16(d), so a Q8_0/Q4_0/Q5_0/Q4_1/Q5_1 product equals llama.cpp's.
 // Per 32-block b of a row and sub-block j, the integer dot I = sum(u * xq) is exact (vpdpbusd: u8 x s8 -> s32), and
 // the float steps are one fixed sequence per output column:
 //     symmetric  acc = fma(dx * a, float(I - 128 * S), acc)          S = sum(xq) over the sub-block
@@ -89,7 +90,8 @@ void quantize_rows(const float* x, Act& a) {
           (i < 16 ? s0 : s1) += static_cast<int32_t>(v);
         }
       }
-      a.d[r * a.nb + b] = d;
+      // The scale is kept as fp16, as ggml's q8_0 blocks store it (after rounding x with the f32 one).
+      a.d[r * a.nb + b] = static_cast<float>(static_cast<_Float16>(d));
       a.s16[r * 2 * a.nb + 2 * b] = s0;
       a.s16[r * 2 * a.nb + 2 * b + 1] = s1;
     }

@@ -131,8 +131,28 @@ def _weights(spec: FixtureSpec, n_vocab: int, rng: np.random.Generator) -> dict[
     return t
 
 
-def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, spec: FixtureSpec | None = None) -> str:
-    """Write the tiny random model `kind` (a key of FIXTURES, or `spec`) to path; returns the path."""
+def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str | None = None) -> None:
+    """Add tensors to a GGUFWriter; with `qtype` (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1: what gguf.quants can write)
+    every 2-D matmul weight whose rows are whole blocks is stored quantized, as llama-quantize would."""
+    import gguf
+    import gguf.quants
+
+    from fucina_jax.models.loading import PACKED_KEYS
+
+    t = gguf.GGMLQuantizationType[qtype] if qtype else None
+    block = gguf.GGML_QUANT_SIZES[t][0] if t is not None else 0
+    for name, arr in tensors.items():
+        key = name.split(".")[-2]
+        if t is not None and arr.ndim == 2 and key in PACKED_KEYS and arr.shape[1] % block == 0:
+            writer.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
+        else:
+            writer.add_tensor(name, arr)
+
+
+def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, spec: FixtureSpec | None = None,
+                  qtype: str | None = None) -> str:
+    """Write the tiny random model `kind` (a key of FIXTURES, or `spec`) to path; returns the path. `qtype`
+    quantizes the matmul weights (see add_tensors); default F32."""
     import gguf
 
     spec = spec or FIXTURES[kind]
@@ -185,8 +205,7 @@ def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, s
         w.add_bos_token_id(special["<bos>"])
         w.add_eos_token_id(special["<eos>"])
         w.add_add_bos_token(True)
-    for name, arr in tensors.items():
-        w.add_tensor(name, arr)
+    add_tensors(w, tensors, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

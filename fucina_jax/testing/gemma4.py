@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fucina_jax.testing.fixtures import add_tensors
+
 __all__ = ["Gemma4FixtureSpec", "GEMMA4_VARIANTS", "gemma4_vocab", "write_gemma4_fixture"]
 
 S, F = True, False  # sliding / global entries of attention.sliding_window_pattern
@@ -231,10 +233,12 @@ def _weights(spec: Gemma4FixtureSpec, rng: np.random.Generator) -> dict[str, np.
 
 
 def write_gemma4_fixture(path: str | os.PathLike, variant: str = "dense", seed: int = 0,
-                         spec: Gemma4FixtureSpec | None = None, drop_keys: tuple[str, ...] = ()) -> str:
+                         spec: Gemma4FixtureSpec | None = None, drop_keys: tuple[str, ...] = (),
+                         qtype: str | None = None) -> str:
     """Write the tiny Gemma 4 `variant` (a key of GEMMA4_VARIANTS, or `spec`) to path; returns the path.
 
     drop_keys: gemma4.* metadata keys (without the prefix) to leave out, for tests of loader defaults and errors.
+    qtype: quantize the matmul weights (fixtures.add_tensors); default F32.
     Weights are deterministic for (variant, seed).
     """
     import gguf
@@ -269,8 +273,7 @@ def write_gemma4_fixture(path: str | os.PathLike, variant: str = "dense", seed: 
     w.add_pad_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
-    for name, arr in tensors.items():
-        w.add_tensor(name, arr)
+    add_tensors(w, tensors, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,226 @@
+"""The quantized kernels (fucina_jax.kernels) against independent references.
+
+- packing is lossless: the packed codes stand for exactly the values quants.dequantize gives, for every type;
+- kernel == a NumPy integer reference that reproduces the activation rounding and the float sequence bit for bit
+  (fma emulated in float64), for every type and every instruction set the CPU has (AVX-512 VNNI, AVX2, scalar);
+- each output row is bitwise independent of the other rows in the call;
+- the dispatch falls back when told to (env var in a fresh process, set_isa in this one);
+- embedding rows gathered from the packed codes == dequantized rows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from fucina_jax import kernels
+from fucina_jax.kernels.pack import PACKED_TYPES, decode_codes, pack_codes, unpack_values
+from fucina_jax.quants import dequantize
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+
+# byte offsets of the f16 scale fields per block (everything else in a block is free-form bits)
+F16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2],
+              T.Q5_K: [0, 2], T.Q6_K: [208]}
+
+
+def random_tensor(qtype, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes of a random [n, k] tensor: random code bits, finite random f16 scales of both signs."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scale = (rng.uniform(1e-3, 5e-2, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0])).astype("<f2")
+        raw[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(-1)
+
+
+def fma(a, b, c):
+    """float32 fma(a, b, c): the product of two f32 is exact in f64; one f64 add, one rounding to f32 (a double
+    rounding could differ in the last bit about once in 2^28 operations; the inputs here are fixed)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def reference(x: np.ndarray, u: np.ndarray, a: np.ndarray, c, bs: int) -> np.ndarray:
+    """The kernel's arithmetic in NumPy: q8 activations per 32-block, exact integer dots, the documented float
+    sequence per (row, column)."""
+    M, K = x.shape
+    N = u.shape[0]
+    nb, nsub = K // 32, 32 // bs
+    xb = x.reshape(M, nb, 32)
+    finite = np.isfinite(xb).all(-1)
+    amax = np.abs(np.where(np.isfinite(xb), xb, 0)).max(-1).astype(np.float32)
+    d = amax / np.float32(127)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int64)
+    q[~finite] = 0
+    d = np.where(finite, d.astype(np.float16).astype(np.float32), np.float32(np.nan))  # the block keeps fp16(d)
+    qs = q.reshape(M, nb, nsub, bs)
+    S = qs.sum(-1)  # [M, nb, nsub]
+    I = np.einsum("mbjk,nbjk->mnbj", qs, u.reshape(N, nb, nsub, bs).astype(np.int64))
+    acc = np.zeros((M, N), np.float32)
+    for b in range(nb):
+        for j in range(nsub):
+            s = d[:, b, None] * a[None, :, b * nsub + j]
+            if c is None:
+                acc = fma(s, (I[:, :, b, j] - 128 * S[:, b, j, None]).astype(np.float32), acc)
+            else:
+                acc = fma(s, I[:, :, b, j].astype(np.float32), acc)
+                acc = fma(d[:, b, None] * c[None, :, b * nsub + j], np.broadcast_to(S[:, b, j, None], acc.shape)
+                          .astype(np.float32), acc)
+    return acc
+
+
+def qweight(raw, qtype, shape) -> kernels.QWeight:
+    return jax.tree_util.tree_map(jnp.asarray, kernels.pack_weight(raw, qtype, shape))
+
+
+_qlinear = jax.jit(kernels.qlinear)
+
+
+@pytest.fixture
+def each_isa():
+    """Run the body once per instruction set this CPU supports; restores the best one afterwards."""
+    isas = kernels.supported_isas()
+    yield isas
+    kernels.set_isa(isas[0])
+
+
+def shape_for(qtype) -> tuple[int, int]:
+    block = GGML_QUANT_SIZES[qtype][0]
+    return 40, (512 if block == 256 else 96)  # 40 columns: not a multiple of 16 (padding path)
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_packing_is_lossless(qtype):
+    n, k = shape_for(qtype)
+    raw = random_tensor(qtype, n, k)
+    u, a, c, bs = decode_codes(raw, qtype, (n, k))
+    want = dequantize(raw, qtype, (n, k))
+    got = unpack_values(u, a, c, bs)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_kernel_equals_integer_reference_on_every_isa(qtype, each_isa):
+    n, k = shape_for(qtype)
+    raw = random_tensor(qtype, n, k, seed=1)
+    u, a, c, bs = decode_codes(raw, qtype, (n, k))
+    w = qweight(raw, qtype, (n, k))
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((17, k)) * rng.uniform(0.1, 10, (17, 1))).astype(np.float32)
+    x[5, :32] = 0.0  # an all-zero block: dx = 0
+    want = reference(x, u, a, c, bs)
+    for isa in each_isa:
+        kernels.set_isa(isa)
+        for m in (1, 3, 8, 17):
+            got = np.asarray(_qlinear(jnp.asarray(x[:m]), w))
+            assert got.shape == (m, n)
+            assert np.array_equal(got.view(np.uint32), want[:m].view(np.uint32)), (isa, m)
+
+
+def test_kernel_is_close_to_the_f32_product():
+    """Sanity of the whole construction: q8 activations cost ~1% relative error, no more."""
+    n, k = 64, 512
+    raw = random_tensor(T.Q4_K, n, k, seed=3)
+    x = np.random.default_rng(4).standard_normal((4, k)).astype(np.float32)
+    exact = x @ dequantize(raw, T.Q4_K, (n, k)).T
+    got = np.asarray(_qlinear(jnp.asarray(x), qweight(raw, T.Q4_K, (n, k))))
+    assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K], ids=lambda t: t.name)
+def test_rows_are_bitwise_independent_of_the_batch(qtype, each_isa):
+    n, k = 48, 512
+    w = qweight(random_tensor(qtype, n, k, seed=5), qtype, (n, k))
+    x = np.random.default_rng(6).standard_normal((16, k)).astype(np.float32)
+    for isa in each_isa:
+        kernels.set_isa(isa)
+        alone = np.concatenate([np.asarray(_qlinear(jnp.asarray(x[i : i + 1]), w)) for i in range(16)])
+        for m in (2, 4, 7, 8, 9, 16):
+            for start in (0, 16 - m):
+                got = np.asarray(_qlinear(jnp.asarray(x[start : start + m]), w))
+                assert np.array_equal(got, alone[start : start + m]), (isa, m, start)
+
+
+def test_non_finite_input_poisons_only_its_row():
+    n, k = 32, 64
+    w = qweight(random_tensor(T.Q8_0, n, k, seed=7), T.Q8_0, (n, k))
+    x = np.random.default_rng(8).standard_normal((3, k)).astype(np.float32)
+    x[1, 40] = np.inf
+    got = np.asarray(_qlinear(jnp.asarray(x), w))
+    assert np.isnan(got[1]).all()
+    assert np.isfinite(got[[0, 2]]).all()
+
+
+def test_leading_axes_and_jit_in_user_code():
+    n, k = 20, 64
+    raw = random_tensor(T.Q5_0, n, k, seed=9)
+    w = qweight(raw, T.Q5_0, (n, k))
+    x = np.random.default_rng(10).standard_normal((2, 3, k)).astype(np.float32)
+
+    @jax.jit
+    def f(x, w):  # a user's own jitted function taking the QWeight pytree
+        return kernels.qlinear(jnp.tanh(x), w) * 2.0
+
+    got = np.asarray(f(jnp.asarray(x), w))
+    flat = np.asarray(_qlinear(jnp.tanh(jnp.asarray(x)).reshape(6, k), w)) * 2.0
+    assert got.shape == (2, 3, n)
+    np.testing.assert_array_equal(got.reshape(6, n), flat)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q4_1], ids=lambda t: t.name)
+def test_take_rows_equals_dequantized_rows(qtype):
+    n, k = shape_for(qtype)
+    raw = random_tensor(qtype, n, k, seed=11)
+    w = qweight(raw, qtype, (n, k))
+    ids = np.array([[0, 17, n - 1], [5, 5, 33]], np.int32)
+    got = np.asarray(jax.jit(kernels.take_rows)(w, jnp.asarray(ids)))
+    want = dequantize(raw, qtype, (n, k))[ids]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pack_layout_groups_columns_in_lanes():
+    """Column n lives in lane n % 16 of group n // 16; 4 consecutive K values per lane chunk."""
+    u = np.arange(20 * 32, dtype=np.int64).reshape(20, 32) % 251
+    a = np.arange(20, dtype=np.float32)[:, None] + 1
+    q, pa, pc = pack_codes(u.astype(np.uint8), a, None, 32)
+    assert q.shape == (2, 512) and pa.shape == (2, 16) and pc.size == 0
+    blk = q.reshape(2, 8, 16, 4)
+    assert blk[1, 2, 3, 1] == u[16 + 3, 2 * 4 + 1]
+    assert pa[1, 3] == a[19, 0] and pa[1, 4] == 0  # padded columns have scale 0
+    assert (blk[1, :, 4:] == 128).all()
+
+
+def test_dispatch_falls_back_when_forced():
+    code = ("from fucina_jax import kernels; import sys; "
+            "sys.stdout.write(kernels.isa() + ' ' + ','.join(kernels.supported_isas()))")
+    for want in ("scalar", "avx2"):
+        if want not in kernels.supported_isas():
+            continue
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FUCINA_KERNEL_ISA": want},
+                             capture_output=True, text=True, check=True).stdout
+        assert out.split()[0] == want
+    with pytest.raises(ValueError, match="unknown kernel instruction set"):
+        kernels.set_isa("neon")
+
+
+def test_real_tensors_pack_losslessly(gemma3_path, smollm2_path):
+    from fucina_jax.gguf_io import open_gguf
+
+    seen = set()
+    for path in (gemma3_path, smollm2_path):
+        gf = open_gguf(path)
+        for name, t in gf.tensors.items():
+            if t.qtype in PACKED_TYPES and t.qtype not in seen and name.startswith("blk."):
+                seen.add(t.qtype)
+                u, a, c, bs = decode_codes(gf.raw(name), t.qtype, t.shape)
+                assert np.array_equal(unpack_values(u, a, c, bs), gf.load(name)), name
+    assert {T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_1} <= seen

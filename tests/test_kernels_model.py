@@ -1,0 +1,154 @@
+"""The quantized-kernel forward against the f32 reference path, against llama.cpp, and against itself across
+verify widths (decode rows == verify rows, bit for bit)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fucina_jax
+from fucina_jax import engine, kernels
+from fucina_jax.errors import MeshError
+from fucina_jax.models import truncate
+from fucina_jax.testing import write_fixture, write_gemma4_fixture
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+
+IDS = list(range(5, 70))
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """quantized(kind, qtype) -> (fast model, f32 model, path) of a fixture with quantized matmul weights."""
+    cache = {}
+    root = tmp_path_factory.mktemp("qfixtures")
+
+    def get(kind: str, qtype: str):
+        if (kind, qtype) not in cache:
+            path = str(root / f"{kind}-{qtype}.gguf")
+            if kind.startswith("gemma4"):
+                write_gemma4_fixture(path, kind.partition("-")[2], qtype=qtype)
+            else:
+                write_fixture(path, kind, qtype=qtype)
+            cache[kind, qtype] = (fucina_jax.load(path), fucina_jax.load(path, f32=True), path)
+        return cache[kind, qtype]
+
+    return get
+
+
+def is_packed(model) -> bool:
+    return isinstance(model.params["layers"][0]["attn_q"], kernels.QWeight)
+
+
+def n_packed(model) -> int:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(model.params, is_leaf=lambda x: isinstance(x, kernels.QWeight))
+    return sum(isinstance(x, kernels.QWeight) for x in leaves)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "gemma3", "gemma4-dense", "gemma4-e2b"])
+def test_fast_path_tracks_the_f32_path(quantized, kind):
+    """Same weights, f32 vs q8 activations: the argmax agrees wherever the f32 top-2 margin is not a near-tie, and
+    no logit moves by more than 4% of the logit range (measured 1.2-1.7%)."""
+    fast, ref, _ = quantized(kind, "Q8_0")
+    assert is_packed(fast) and n_packed(ref) == 0
+    a, b = fast.logits(IDS), ref.logits(IDS)
+    top2 = np.sort(b, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.5
+    assert clear.sum() >= 10
+    np.testing.assert_array_equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+    assert np.abs(a - b).max() <= 0.04 * (b.max() - b.min())
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "gemma4-moe"])
+def test_fast_path_tracks_the_f32_path_moe(quantized, kind):
+    """MoE: q8 activations can flip a near-tie in the router's top-k, which swaps an expert; so the bound is on
+    agreement, not on every logit (measured: qwen3moe fixture 39 of 44 clear positions, gemma4-moe all)."""
+    fast, ref, _ = quantized(kind, "Q8_0")
+    assert n_packed(fast) > 0 and n_packed(ref) == 0
+    a, b = fast.logits(IDS), ref.logits(IDS)
+    top2 = np.sort(b, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.5
+    assert clear.sum() >= 10
+    assert (a.argmax(-1)[clear] == b.argmax(-1)[clear]).mean() >= 0.8
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_0"])
+def test_quantized_qwen3_equals_llamacpp(quantized, llama_ref, qtype):
+    """llama.cpp also rounds activations to q8_0 blocks with an fp16 scale for these weight types, so the two
+    engines compute the same integer products: logits agree to float-summation noise (Q8_0/Q4_0 measured < 5e-5
+    everywhere; Q5_0 the same until a last-bit difference flips one activation's rounding, which the cache carries),
+    where the f32 reference path is ~0.2 away. (Q4_1/Q5_1 pair with llama.cpp's q8_1, whose block sum is rounded to fp16;
+    fucina_jax keeps the exact integer sum, so those agree less tightly; K-quants pair with q8_K blocks of 256.)"""
+    fast, ref, path = quantized("qwen3", qtype)
+    want = llama_ref(path).logits(IDS)
+    def exact_positions(model):  # positions whose whole logits row agrees to 1e-4
+        return (np.abs(model.logits(IDS) - want).max(axis=1) < 1e-4).mean()
+
+    assert exact_positions(fast) >= 0.8  # measured: Q8_0/Q4_0 all 65, Q5_0 58 of 65 (a flip at 57 propagates)
+    assert exact_positions(ref) <= 0.1  # the comparison tells the two paths apart
+
+
+def decode_vs_verify(model, prompt, follow):
+    """Max |verify row - decode row| over every verify bucket, after `prompt` is cached."""
+    cache = model.new_cache(256)
+    _, cache = model.prefill(prompt, cache)
+    base = int(cache.length[0])
+    rows = []
+    c = cache
+    for t in follow:
+        out, c = engine.decode_step(model.params, jnp.asarray([t], jnp.int32), c, model.config)
+        rows.append(np.asarray(out[0]))
+    rows = np.stack(rows)
+    worst = 0.0
+    for k in engine.VERIFY_BUCKETS:
+        c = truncate(c, base)
+        out, c = engine.verify_step(model.params, jnp.asarray([follow[:k]], jnp.int32), c, model.config)
+        worst = max(worst, float(np.abs(np.asarray(out[0]) - rows[:k]).max()))
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma4-e2b"])
+def test_verify_rows_are_decode_rows_bitwise_on_fixtures(quantized, kind):
+    fast, _, _ = quantized(kind, "Q4_1")
+    assert decode_vs_verify(fast, IDS[:20], IDS[20:36]) == 0.0
+
+
+def test_verify_rows_are_decode_rows_bitwise_on_real_models(gemma3, smollm2):
+    for model in (gemma3, smollm2):
+        assert is_packed(model)
+        prompt = model.tokenizer.encode("The history of the printing press begins in")
+        follow = model.tokenizer.encode(" Mainz, where Johannes Gutenberg built a press that used movable type")
+        assert decode_vs_verify(model, prompt, (follow * 2)[:16]) == 0.0
+
+
+def test_real_gemma3_fast_path_tracks_the_f32_path(gemma3, gemma3_path):
+    ref = fucina_jax.load(gemma3_path, f32=True)
+    ids = gemma3.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome. The capital of")
+    a, b = gemma3.logits(ids), ref.logits(ids)
+    top2 = np.sort(b, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1.0
+    np.testing.assert_array_equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+    assert np.abs(a - b).max() <= 0.05 * (b.max() - b.min())
+
+
+def test_packed_weights_refuse_to_be_sharded(quantized):
+    from fucina_jax.sharding import make_mesh, shard_model
+
+    fast, _, _ = quantized("qwen3", "Q8_0")
+    with pytest.raises(MeshError, match="f32=True"):
+        shard_model(fast, make_mesh(1))
+
+
+def test_memory_of_packed_weights(gemma3):
+    """The packed weights of the embedded model take ~1.2 bytes per value, not f32's 4."""
+    import jax
+
+    n_values = sum(w.n * w.k for w in jax.tree_util.tree_leaves(
+        gemma3.params, is_leaf=lambda x: isinstance(x, kernels.QWeight)) if isinstance(w, kernels.QWeight))
+    n_bytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(
+        gemma3.params, is_leaf=lambda x: isinstance(x, kernels.QWeight)) if isinstance(w, kernels.QWeight))
+    assert n_values > 250e6
+    assert n_bytes / n_values < 1.3
