@@ -311,7 +311,8 @@ class BatchedSpeculativeDecoder:
         try:
             sampled_dev, topk, self.cache = batched_verify_sample_step(
                 self.model.params, jnp.asarray(toks), jnp.asarray(dr), start, cache, self.history, self._sparams,
-                self.model.config, self._cap, wants_topk=self.wants_topk,
+                # top-K rows only for verifies, as the single decoder (its plain steps feed no observe_topk)
+                self.model.config, self._cap, wants_topk=self.wants_topk and width > 1,
             )
         except BaseException:
             self.cache = cache
