@@ -26,9 +26,10 @@ n active rows where a plain step commits n, at a cost of c plain steps, so it en
 (C committed, cost c * n): est_speedup = C / (c * n), tokens per row per plain-step time. With a clock, c is the
 measured verify/plain wall-time ratio of this batch (the first steps run plain until one plain step is timed), else
 the static cost table at the step's width. Why not the single-stream table alone: at B > 1 a CPU forward stops being
-bound by streaming the weights and its cost grows with B * k, so a verify of width 8 costs ~5 plain steps at B = 2
-(Gemma 3 270M, 2 cores) instead of 1.4 at B = 1. When the gate is off every row steps plainly; the rows' drafts are
-capped by the gate's acceptance-adaptive budget (the batch's acceptance). The gate never changes what is committed.
+bound by streaming the weights and its cost grows with B * k: a width-8 step costs 2.8 width-1 steps at B = 1, 5.4 at
+B = 2 and 8.4 at B = 4 (Gemma 3 270M, 2 CPU cores, ctx 512), so the single-stream table underprices batches. When
+the gate is off every row steps plainly; the rows' drafts are capped by the gate's acceptance-adaptive budget (the
+batch's acceptance). The gate never changes what is committed.
 `enabled=False` turns every step into a batched plain step: the plain baseline of scripts/bench_batch.py.
 
 Prefill: the prompts are prefilled together in chunks of the largest prefill bucket (engine.prefill_step with the
@@ -317,7 +318,8 @@ class BatchedSpeculativeDecoder:
         except BaseException:
             self.cache = cache
             raise
-        # Nothing below touches the cache: the next step's `start` rewinds every row to what it committed.
+        # Nothing below touches the cache: the next step's `start` rewinds every row to what it committed (until
+        # then, slots past a row's committed length - 1 are stale, and no step ever reads them).
         sampled = np.asarray(sampled_dev)
         step_ns = self.clock() - t0 if self.clock and _trace_total() == traced else None
         out = []
@@ -328,7 +330,10 @@ class BatchedSpeculativeDecoder:
                 continue
             committed, stopped = self._accept(b, sampled[b], d, int(limits[b]), frozenset(stops[b]))
             n_new[b] = len(committed)
+            self.streams[b, self.n[b] : self.n[b] + len(committed)] = committed
+            self.n[b] += len(committed)
             out.append((committed, stopped))
+        # sampled[b, :n_new[b]] == row b's committed ids: each history gets exactly its row's committed ids
         self.history = _push_each(self.history, sampled_dev, jnp.asarray(n_new))
         if width == 1:
             if step_ns is not None:
@@ -343,10 +348,9 @@ class BatchedSpeculativeDecoder:
             active = [b for b in range(B) if limits[b] > 0]
             gate.record_verify(int(n_new.sum()), sum(self._last_accepted[b] for b in active),
                                sum(drafts[b].size for b in active), cost * len(active))
+        # Streams, lengths and histories are settled: a source raising below leaves the decoder consistent.
         topk_rows = np.asarray(topk) if topk is not None else None
         for b, (committed, _) in enumerate(out):
-            self.streams[b, self.n[b] : self.n[b] + len(committed)] = committed
-            self.n[b] += len(committed)
             src = self.sources[b]
             if committed and src is not None:
                 src.observe(np.asarray(committed, np.int32))
