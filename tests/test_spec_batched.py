@@ -7,8 +7,9 @@ perfect source drafts past, so it is sampled inside an accepted run). The plain 
 with that row's own values. The asserts on the statistics make sure drafts really were accepted (and rejected), so an
 equality cannot come from every row stepping one token at a time.
 
-Every run uses one context size, one candidate cap bucket and max_draft 7, so the compiled programs (B x widths
-1/2/4/8) are shared by the tests of one architecture.
+A batch samples every row with its widest candidate cap (row 4's top-k 40 among top-k 20 rows: a wider cap must
+change no token). Every run uses one context size and max_draft 7, so the compiled programs (B x widths 1/2/4/8)
+are shared by the tests of one architecture.
 """
 
 from __future__ import annotations
