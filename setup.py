@@ -37,9 +37,9 @@ setup(
         ),
         Extension(
             "fucina_jax.kernels._qmatmul",
-            sources=["fucina_jax/kernels/qmatmul.cc"],
-            include_dirs=[_ffi_include()],
-            extra_compile_args=_CXXFLAGS,
+            sources=["fucina_jax/kernels/qmatmul.cc", "fucina_jax/kernels/attention.cc"],
+            depends=["fucina_jax/kernels/parallel.h"],
+            extra_compile_args=_CXXFLAGS + ["-isystem", _ffi_include()],  # system: no warnings from XLA's headers
             language="c++",
         ),
     ],

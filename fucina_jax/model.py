@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -23,6 +24,13 @@ from fucina_jax.models.loading import load_params
 __all__ = ["Model", "load", "default_model_path", "enable_compilation_cache"]
 
 DEFAULT_CTX = 4096
+
+
+def any_packed(params) -> bool:
+    from fucina_jax.kernels import QWeight
+
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QWeight))
+    return any(isinstance(x, QWeight) for x in leaves)
 
 
 def enable_compilation_cache() -> None:
@@ -188,6 +196,11 @@ def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: 
     params = load_params(gf, cfg.arch, glob, layer, cfg.n_layers, progress=tick, packed=not f32, place=jnp.asarray)
     if bar is not None:
         bar.close()
+    if any_packed(params):
+        from fucina_jax.models.layers import fuse_projections
+
+        cfg = dataclasses.replace(cfg, kernels=True)
+        params["layers"] = tuple(fuse_projections(p, s.writes_kv) for p, s in zip(params["layers"], cfg.layers))
     model = Model(path=gf.path, config=cfg, params=params, metadata=gf.metadata)
     model.load_seconds = time.perf_counter() - t0
     return model

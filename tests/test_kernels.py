@@ -224,3 +224,60 @@ def test_real_tensors_pack_losslessly(gemma3_path, smollm2_path):
                 u, a, c, bs = decode_codes(gf.raw(name), t.qtype, t.shape)
                 assert np.array_equal(unpack_values(u, a, c, bs), gf.load(name)), name
     assert {T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_1} <= seen
+
+
+def np_attention(q, k, v, pos, scale, window):
+    """float64 softmax attention over the visible slots (GQA), straight from the definition."""
+    B, T, H, _ = q.shape
+    S, K = k.shape[1], k.shape[2]
+    out = np.zeros((B, T, H, v.shape[-1]))
+    for b in range(B):
+        for t in range(T):
+            p = pos[b, t]
+            lo = max(0, p - window + 1) if window else 0
+            js = np.arange(lo, min(p, S - 1) + 1)
+            for h in range(H):
+                s = k[b, js, h // (H // K)].astype(np.float64) @ q[b, t, h] * scale
+                e = np.exp(s - s.max())
+                out[b, t, h] = e @ v[b, js, h // (H // K)] / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_kernel_matches_the_definition(window):
+    rng = np.random.default_rng(12)
+    B, T, H, K, Dh, S = 2, 5, 4, 2, 48, 40  # Dh not a multiple of 16: the tail path
+    q = rng.standard_normal((B, T, H, Dh)).astype(np.float32)
+    k = rng.standard_normal((B, S, K, Dh)).astype(np.float32)
+    v = rng.standard_normal((B, S, K, Dh)).astype(np.float32)
+    pos = np.array([[3, 4, 5, 6, 7], [30, 31, 32, 33, 39]], np.int32)
+    got = np.asarray(jax.jit(kernels.attention, static_argnums=(4, 5))(q, k, v, pos, 0.2, window))
+    np.testing.assert_allclose(got, np_attention(q, k, v, pos, 0.2, window), atol=2e-6)
+
+
+def test_attention_and_norm_rows_are_independent_of_the_batch():
+    rng = np.random.default_rng(13)
+    T, H, K, Dh, S = 16, 4, 1, 256, 64
+    q = jnp.asarray(rng.standard_normal((1, T, H, Dh)).astype(np.float32))
+    k = jnp.asarray(rng.standard_normal((1, S, K, Dh)).astype(np.float32))
+    v = jnp.asarray(rng.standard_normal((1, S, K, Dh)).astype(np.float32))
+    pos = jnp.arange(T, dtype=jnp.int32)[None] + 20
+    w = jnp.asarray(rng.standard_normal(Dh).astype(np.float32))
+    att = jax.jit(kernels.attention, static_argnums=(4, 5))
+    norm = jax.jit(kernels.rms_norm, static_argnums=(2,))
+    a_one = np.concatenate([np.asarray(att(q[:, i : i + 1], k, v, pos[:, i : i + 1], 0.0625, 8)) for i in range(T)], 1)
+    n_one = np.concatenate([np.asarray(norm(q[:, i : i + 1], w, 1e-6)) for i in range(T)], 1)
+    for m in (2, 4, 8, 16):
+        np.testing.assert_array_equal(np.asarray(att(q[:, :m], k, v, pos[:, :m], 0.0625, 8)), a_one[:, :m])
+        np.testing.assert_array_equal(np.asarray(norm(q[:, :m], w, 1e-6)), n_one[:, :m])
+
+
+def test_rms_norm_kernel_matches_the_definition():
+    rng = np.random.default_rng(14)
+    x = (rng.standard_normal((3, 7, 40)) * 5).astype(np.float32)
+    w = rng.standard_normal(40).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(kernels.rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6)), want * w,
+                               rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(kernels.rms_norm(jnp.asarray(x), None, 1e-6)), want, rtol=2e-6, atol=2e-6)

@@ -21,10 +21,12 @@ import numpy as np
 
 from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, pack_tensor
 
-__all__ = ["PACKED_TYPES", "QWeight", "available", "isa", "pack_weight", "packable", "qlinear", "set_isa", "supported_isas",
-           "take_rows"]
+__all__ = ["PACKED_TYPES", "QWeight", "attention", "available", "concat_weights", "isa", "pack_weight", "packable",
+           "qlinear", "rms_norm", "set_isa", "supported_isas", "take_rows"]
 
 TARGET = "fucina_qmatmul"
+ATTENTION_TARGET = "fucina_attention"
+RMS_NORM_TARGET = "fucina_rms_norm"
 _registered = False
 
 
@@ -47,6 +49,8 @@ def _register() -> None:
     global _registered
     if not _registered:
         jax.ffi.register_ffi_target(TARGET, _module().handler(), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, _module().attention_handler(), platform="cpu")
+        jax.ffi.register_ffi_target(RMS_NORM_TARGET, _module().rms_norm_handler(), platform="cpu")
         _registered = True
 
 
@@ -75,6 +79,7 @@ class QWeight:
     n: int = dataclasses.field(metadata=dict(static=True))
     k: int = dataclasses.field(metadata=dict(static=True))
     bs: int = dataclasses.field(metadata=dict(static=True))
+    splits: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # see concat_weights
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -89,6 +94,19 @@ def pack_weight(raw: np.ndarray, qtype, shape: tuple[int, int]) -> QWeight:
     """Raw GGUF bytes of a [n, k] tensor of a type in PACKED_TYPES -> QWeight (NumPy leaves; jnp.asarray them)."""
     q, a, c, bs = pack_tensor(raw, qtype, tuple(shape))
     return QWeight(q=q, a=a, c=c, n=int(shape[0]), k=int(shape[1]), bs=bs)
+
+
+def concat_weights(ws: list[QWeight]) -> QWeight | None:
+    """Weights that read the same input (Q, K, V; gate, up) as one QWeight whose outputs are the parts' outputs side
+    by side (`splits` = the parts' n): one kernel call instead of several, each column computed exactly as before.
+    None when the parts differ in layout (k, bs, affine) or a part's columns do not fill whole 16-column groups."""
+    first = ws[0]
+    affine = first.c.size > 0
+    if any(w.k != first.k or w.bs != first.bs or (w.c.size > 0) != affine or w.n % LANES for w in ws):
+        return None
+    cat = jnp.concatenate if isinstance(first.q, jax.Array) else np.concatenate
+    return QWeight(q=cat([w.q for w in ws]), a=cat([w.a for w in ws]), c=cat([w.c for w in ws]),
+                   n=sum(w.n for w in ws), k=first.k, bs=first.bs, splits=tuple(w.n for w in ws))
 
 
 def packable(qtype, shape) -> bool:
@@ -119,3 +137,23 @@ def take_rows(w: QWeight, ids: jax.Array) -> jax.Array:
         return (u.astype(jnp.float32) - jnp.float32(128)) * a
     c = jnp.repeat(w.c.reshape(G, -1, LANES)[g, :, lane], w.bs, axis=-1)
     return u.astype(jnp.float32) * a + c
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_pos: jax.Array, scale: float,
+              window: int = 0) -> jax.Array:
+    """layers.attention's contract (q [B, T, H, Dh], caches [B, S, K, D], q_pos [B, T] -> [B, T, H, Dv]) in C:
+    each row reads only its visible slots and is computed in a fixed order of its own (attention.cc)."""
+    _register()
+    B, T, H, _ = q.shape
+    return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, H, v_cache.shape[-1]), jnp.float32))(
+        q.astype(jnp.float32), k_cache, v_cache, q_pos.astype(jnp.int32), scale=np.float32(scale),
+        window=np.int64(window),
+    )
+
+
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    """layers.rms_norm's contract in C, one fixed summation order per row (attention.cc)."""
+    _register()
+    x = x.astype(jnp.float32)
+    w = jnp.zeros((0,), jnp.float32) if w is None else w.astype(jnp.float32)
+    return jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))(x, w, eps=np.float32(eps))

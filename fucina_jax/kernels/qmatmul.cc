@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -338,24 +339,6 @@ int current_isa() {
 // The FFI handler: quantize the rows once, then column groups in parallel on XLA's intra-op thread pool.
 // ------------------------------------------------------------------------------------------------------------------
 
-struct Job {
-  Weights w;
-  Act act;
-  GroupFn fn;
-  float* out;
-  int64_t ldo, G, per_chunk, n_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
-      const int64_t g1 = std::min(G, (c + 1) * per_chunk);
-      for (int64_t g = c * per_chunk; g < g1; ++g) fn(w, g, act, 0, act.M, out, ldo);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
                        ffi::Buffer<ffi::F32> wa, ffi::Buffer<ffi::F32> wc, ffi::ResultBuffer<ffi::F32> y, int64_t bs) {
   auto xd = x.dimensions();
@@ -372,30 +355,22 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("fucina_qmatmul: packed weight sizes do not match x and y");
   if (M == 0) return ffi::Error::Success();
 
-  auto job = std::make_shared<Job>();
-  job->w = Weights{wq.typed_data(), wa.typed_data(), wc.element_count() ? wc.typed_data() : nullptr, nb,
-                   static_cast<int>(nsub)};
-  job->act.M = M;
-  job->act.K = K;
-  job->act.nb = nb;
-  job->act.q.resize(M * K);
-  job->act.d.resize(M * nb);
-  job->act.s16.resize(M * 2 * nb);
-  quantize_rows(x.typed_data(), job->act);
-  job->fn = kIsas[current_isa()].fn;
-  job->out = y->typed_data();
-  job->ldo = N;
-  job->G = G;
-
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // Several chunks per thread balance uneven progress; a chunk is never split, so results do not depend on it.
-  job->per_chunk = std::max<int64_t>(1, G / (threads * 4));
-  job->n_chunks = (G + job->per_chunk - 1) / job->per_chunk;
-  // Helpers share the job by reference count: one scheduled late finds no work and returns without touching the
-  // buffers, which belong to XLA only until this call returns.
-  for (int64_t t = 1; t < std::min(threads, job->n_chunks); ++t) pool.Schedule([job] { job->run(); });
-  job->run();
-  while (job->done.load(std::memory_order_acquire) < job->n_chunks) std::this_thread::yield();
+  const Weights w{wq.typed_data(), wa.typed_data(), wc.element_count() ? wc.typed_data() : nullptr, nb,
+                  static_cast<int>(nsub)};
+  Act act;
+  act.M = M;
+  act.K = K;
+  act.nb = nb;
+  act.q.resize(M * K);
+  act.d.resize(M * nb);
+  act.s16.resize(M * 2 * nb);
+  quantize_rows(x.typed_data(), act);
+  const GroupFn fn = kIsas[current_isa()].fn;
+  float* out = y->typed_data();
+  // Column groups in parallel; a group is never split, so results do not depend on the split.
+  fucina::parallel_for(pool, G, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) fn(w, g, act, 0, M, out, N);
+  });
   return ffi::Error::Success();
 }
 
@@ -417,6 +392,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
 
 static PyObject* py_handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&FucinaQMatmul), nullptr, nullptr);
+}
+
+extern "C" XLA_FFI_Error* FucinaAttention(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* FucinaRmsNorm(XLA_FFI_CallFrame* call_frame);
+
+static PyObject* py_rms_norm_handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&FucinaRmsNorm), nullptr, nullptr);
+}
+
+static PyObject* py_attention_handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&FucinaAttention), nullptr, nullptr);
 }
 
 static PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(kIsas[current_isa()].name); }
@@ -451,6 +437,8 @@ static PyObject* py_set_isa(PyObject*, PyObject* arg) {
 
 static PyMethodDef kMethods[] = {
     {"handler", py_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler fucina_qmatmul."},
+    {"attention_handler", py_attention_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler fucina_attention."},
+    {"rms_norm_handler", py_rms_norm_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler fucina_rms_norm."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use now."},
     {"supported_isas", py_supported_isas, METH_NOARGS, "Instruction sets this CPU can run, best first."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this instruction set (avx512, avx2, scalar)."},

@@ -48,6 +48,7 @@ class ModelConfig:
     expert_ffn_dim: int = 0
     ple_dim: int = 0  # Gemma 4 per-layer embedding width (0 = none)
     extra: tuple[tuple[str, Any], ...] = field(default=())  # arch-specific static facts, as sorted (key, value) pairs
+    kernels: bool = False  # run on fucina_jax.kernels (packed weights, C attention); False: the pure-JAX reference
 
     @property
     def n_layers(self) -> int:

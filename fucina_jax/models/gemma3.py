@@ -14,7 +14,7 @@ import math
 
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
-from fucina_jax.models.layers import attention_block, embed, glu_ffn, rms_norm
+from fucina_jax.models.layers import attention_block, embed, ffn_block, rms_norm
 from fucina_jax.models.loading import TensorSpec, output_specs
 
 ARCH = "gemma3"
@@ -88,11 +88,11 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
     ks, vs = list(cache.k), list(cache.v)
     eps = cfg.rms_eps
     for p, spec in zip(params["layers"], cfg.layers):
-        x = rms_norm(h, p["attn_norm"], eps)
+        x = rms_norm(h, p["attn_norm"], eps, cfg.kernels)
         a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True)
-        h = h + rms_norm(a, p["post_attention_norm"], eps)
-        x = rms_norm(h, p["ffn_norm"], eps)
-        f = glu_ffn(x, p["ffn_gate"], p["ffn_up"], p["ffn_down"], cfg.act)
-        h = h + rms_norm(f, p["post_ffw_norm"], eps)
-    h = rms_norm(h, params["output_norm"], eps)
+        h = h + rms_norm(a, p["post_attention_norm"], eps, cfg.kernels)
+        x = rms_norm(h, p["ffn_norm"], eps, cfg.kernels)
+        f = ffn_block(x, p, cfg.act)
+        h = h + rms_norm(f, p["post_ffw_norm"], eps, cfg.kernels)
+    h = rms_norm(h, params["output_norm"], eps, cfg.kernels)
     return h, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)

@@ -38,7 +38,7 @@ from fucina_jax.models.layers import (
     ACTIVATIONS,
     attention_block,
     embed,
-    glu_ffn,
+    ffn_block,
     linear,
     moe_ffn,
     rms_norm,
@@ -236,14 +236,16 @@ def _expert_weights(p: dict):
 def moe_block(p: dict, h, cfg: ModelConfig):
     """Dense GeGLU branch + routed experts, each with its own post-norm; input is the post-attention residual."""
     eps = cfg.rms_eps
-    dense = glu_ffn(rms_norm(h, p["ffn_norm"], eps), p["ffn_gate"], p["ffn_up"], p["ffn_down"], cfg.act)
-    router_in = rms_norm(h, None, eps) * np.float32(1.0 / np.sqrt(np.float32(cfg.d_model))) * p["ffn_gate_inp_scale"]
+    dense = ffn_block(rms_norm(h, p["ffn_norm"], eps, cfg.kernels), p, cfg.act)
+    router_in = rms_norm(h, None, eps, cfg.kernels) * np.float32(1.0 / np.sqrt(np.float32(cfg.d_model)))
+    router_in = router_in * p["ffn_gate_inp_scale"]
     gate, up = _expert_weights(p)
     experts = moe_ffn(
-        rms_norm(h, p["pre_ffw_norm_2"], eps), linear(router_in, p["ffn_gate_inp"]), gate, up, p["ffn_down_exps"],
+        rms_norm(h, p["pre_ffw_norm_2"], eps, cfg.kernels), linear(router_in, p["ffn_gate_inp"]), gate, up, p["ffn_down_exps"],
         cfg.n_expert_used, cfg.act, expert_scale=p.get("ffn_down_exps_scale"),
     )
-    return rms_norm(dense, p["post_ffw_norm_1"], eps) + rms_norm(experts, p["post_ffw_norm_2"], eps)
+    return (rms_norm(dense, p["post_ffw_norm_1"], eps, cfg.kernels)
+            + rms_norm(experts, p["post_ffw_norm_2"], eps, cfg.kernels))
 
 
 def per_layer_inputs(params: dict, tokens, e, cfg: ModelConfig):
@@ -255,7 +257,7 @@ def per_layer_inputs(params: dict, tokens, e, cfg: ModelConfig):
     lead = tokens.shape
     tok = params["per_layer_token_embd"][tokens].reshape(*lead, L, P) * jnp.float32(math.sqrt(P))
     proj = linear(e, params["per_layer_model_proj"]) * jnp.float32(1.0 / math.sqrt(cfg.d_model))
-    proj = rms_norm(proj.reshape(*lead, L, P), params["per_layer_proj_norm"], cfg.rms_eps)
+    proj = rms_norm(proj.reshape(*lead, L, P), params["per_layer_proj_norm"], cfg.rms_eps, cfg.kernels)
     return (proj + tok) * jnp.float32(1.0 / math.sqrt(2.0))
 
 
@@ -271,18 +273,18 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
         if not spec.sliding:  # proportional RoPE: speeds divided by the file's freq factors (1e30 = no rotation)
             base = rope_inv_freq(spec.n_rot, spec.rope_base, spec.rope_scale)
             inv_freq = base / params["rope_freqs"][: spec.n_rot // 2]
-        x = rms_norm(h, p["attn_norm"], eps)
+        x = rms_norm(h, p["attn_norm"], eps, cfg.kernels)
         a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True, v_norm=True, inv_freq=inv_freq)
-        h = h + rms_norm(a, p["post_attention_norm"], eps)
+        h = h + rms_norm(a, p["post_attention_norm"], eps, cfg.kernels)
         if spec.moe:
             f = moe_block(p, h, cfg)
         else:
-            f = glu_ffn(rms_norm(h, p["ffn_norm"], eps), p["ffn_gate"], p["ffn_up"], p["ffn_down"], cfg.act)
-        h = h + rms_norm(f, p["post_ffw_norm"], eps)
+            f = ffn_block(rms_norm(h, p["ffn_norm"], eps, cfg.kernels), p, cfg.act)
+        h = h + rms_norm(f, p["post_ffw_norm"], eps, cfg.kernels)
         if ple is not None:
             g = act(linear(h, p["inp_gate"])) * ple[:, :, l]
-            h = h + rms_norm(linear(g, p["proj"]), p["post_norm"], eps)
+            h = h + rms_norm(linear(g, p["proj"]), p["post_norm"], eps, cfg.kernels)
         if "layer_output_scale" in p:
             h = h * p["layer_output_scale"]
-    h = rms_norm(h, params["output_norm"], eps)
+    h = rms_norm(h, params["output_norm"], eps, cfg.kernels)
     return h, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)

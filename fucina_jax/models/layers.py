@@ -18,15 +18,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax.kernels import QWeight, qlinear, take_rows
+from fucina_jax.kernels import attention as kernels_attention
+from fucina_jax.kernels import rms_norm as kernels_rms_norm
 
 __all__ = [
-    "fixed_sum",
     "rms_norm",
     "rope_inv_freq",
     "apply_rope",
     "attention",
     "write_kv",
+    "ffn_block",
+    "fuse_projections",
     "glu_ffn",
+    "project",
     "gelu_tanh",
     "moe_ffn",
     "softcap",
@@ -35,31 +39,15 @@ __all__ = [
 NEG_INF = -jnp.inf
 
 
-def fixed_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
-    """Sum over one axis in a fixed pairwise order (zero-pad to a power of two, add halves until one is left).
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, fast: bool = False) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) * w over the last axis (w None: no weight, e.g. Gemma 4's value norm).
 
-    XLA's reduce picks its vectorisation, and so its summation order, by the shape of the other axes: the same row
-    sums differently inside 1 row than inside 8 (measured: rms_norm over [8, 640]). Elementwise adds do not, so a
-    row summed this way is bitwise the same in any batch: the property verification rows rely on.
-    """
-    axis = axis % x.ndim
-    n = x.shape[axis]
-    p = 1 << max(n - 1, 0).bit_length()
-    if p != n:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, p - n)
-        x = jnp.pad(x, pad)
-    while x.shape[axis] > 1:
-        h = x.shape[axis] // 2
-        x = jax.lax.slice_in_dim(x, 0, h, axis=axis) + jax.lax.slice_in_dim(x, h, 2 * h, axis=axis)
-    return x if keepdims else jnp.squeeze(x, axis)
-
-
-def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
-    """x / sqrt(mean(x^2) + eps) * w over the last axis (w None: no weight, e.g. Gemma 4's value norm)."""
+    fast: the C kernel (kernels.rms_norm: one call instead of several XLA ops, rows in a fixed order), used by
+    models on the kernels' path (cfg.kernels)."""
+    if fast:
+        return kernels_rms_norm(x, w, eps)
     x = x.astype(jnp.float32)
-    mean_sq = fixed_sum(x * x, keepdims=True) * jnp.float32(1.0 / x.shape[-1])
-    y = x * jax.lax.rsqrt(mean_sq + eps)
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     return y if w is None else y * w
 
 
@@ -107,11 +95,8 @@ def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Arra
 
 
 # Attention reads the cache in chunks of this many slots, and only the chunks that hold visible slots: a decode step
-# at position p costs O(p) (O(window) on sliding layers), not O(capacity). Chunk boundaries are fixed multiples of
-# ATTN_CHUNK, and a chunk a row cannot see adds exact zeros, so a row's result does not depend on the other rows.
+# at position p costs O(p) (O(window) on sliding layers), not O(capacity).
 ATTN_CHUNK = 256
-# Steps of at most this many rows per batch row (decode, verify) get row-exact attention (see attention()).
-ROW_EXACT_MAX = 16
 
 
 def attention(
@@ -130,8 +115,9 @@ def attention(
     LLAMA_SWA_TYPE_STANDARD: a query sees exactly the last `window` positions including itself).
 
     Online softmax over cache chunks in a loop with data-dependent bounds (no recompile as the context grows); a
-    capacity that is not a multiple of 16 (init_cache never makes one) takes a one-shot path over all S slots, which
-    is not row-exact.
+    capacity that is not a multiple of 16 (init_cache never makes one) takes a one-shot path over all S slots.
+    This is the pure-JAX reference; models on the quantized kernels use kernels.attention (same contract, in C,
+    row-exact).
     """
     B, T, H, Dh = q.shape
     S, K = k_cache.shape[1], k_cache.shape[2]
@@ -139,24 +125,8 @@ def attention(
     qg = q.reshape(B, T, K, G, Dh)
     p = q_pos[:, None, None, :, None]  # [B, 1, 1, T, 1] against scores [B, K, G, T, slots]
 
-    # Up to a verify bucket of rows, the two products are spelled as multiply + reduce instead of dots: XLA's dot
-    # picks its algorithm (and so its summation order) by the number of rows, a reduce sums every output alike.
-    # That keeps each row bitwise independent of how many rows come with it, which the quantized path needs: its
-    # activation rounding would amplify a last-bit difference into a visible logit change.
-    exact = T <= ROW_EXACT_MAX
-
-    def qk(ks):
-        if exact:
-            return fixed_sum(qg.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :] * ks.transpose(0, 2, 1, 3)[:, :, None, None])
-        return jnp.einsum("btkgd,bskd->bkgts", qg, ks)
-
-    def pv(pr, vs):
-        if exact:
-            return fixed_sum(pr[..., None] * vs.transpose(0, 2, 1, 3)[:, :, None, None], axis=-2)
-        return jnp.einsum("bkgts,bskd->bkgtd", pr, vs)
-
     def scores_of(ks, first_slot, n):
-        s = qk(ks) * scale
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, ks) * scale
         slot = first_slot + jnp.arange(n, dtype=jnp.int32)
         visible = slot <= p
         if window:
@@ -165,10 +135,9 @@ def attention(
 
     chunk = next((c for c in (ATTN_CHUNK, 128, 64, 32, 16) if S % c == 0), None)
     if chunk is None:
-        s = scores_of(k_cache, 0, S)
-        e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))  # max is order-free; the sum is not
-        probs = e / fixed_sum(e, keepdims=True)
-        return pv(probs, v_cache).transpose(0, 3, 1, 2, 4).reshape(B, T, H, v_cache.shape[-1])
+        probs = jax.nn.softmax(scores_of(k_cache, 0, S), axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache)
+        return out.reshape(B, T, H, v_cache.shape[-1])
 
     # padding rows of a bucket near the end of the context carry positions >= S: never read past the last chunk
     hi = jnp.minimum(jnp.max(q_pos) // chunk + 1, S // chunk)
@@ -185,8 +154,8 @@ def attention(
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # nothing visible yet: keep exp() finite (it gives 0)
         pr = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
-        l = l * alpha + fixed_sum(pr)
-        acc = acc * alpha[..., None] + pv(pr, vs)
+        l = l * alpha + jnp.sum(pr, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("bkgts,bskd->bkgtd", pr, vs)
         return m_new, l, acc
 
     init = (
@@ -219,6 +188,44 @@ def linear(x: jax.Array, w: jax.Array | QWeight) -> jax.Array:
 def glu_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: str) -> jax.Array:
     """down(act(gate x) * up x): SwiGLU (silu) or GeGLU (gelu)."""
     return linear(ACTIVATIONS[act](linear(x, gate)) * linear(x, up), down)
+
+
+# Projections that read the same input; on the kernels' path a layer may hold them as one fused QWeight under the
+# joined key (see fuse_projections), so one kernel call computes all of them.
+FUSIBLE = (("attn_q", "attn_k", "attn_v"), ("attn_q", "attn_k"), ("ffn_gate", "ffn_up"))
+
+
+def project(x: jax.Array, p: dict, keys: tuple[str, ...]) -> list[jax.Array]:
+    """[linear(x, p[key]) for key in keys], through the fused weight "+".join(keys) when the layer has one."""
+    fused = p.get("+".join(keys))
+    if fused is None:
+        return [linear(x, p[k]) for k in keys]
+    y = linear(x, fused)
+    bounds = np.cumsum(fused.splits)[:-1].tolist()
+    return jnp.split(y, bounds, axis=-1)
+
+
+def fuse_projections(layer: dict, writes_kv: bool = True) -> dict:
+    """A layer's params with each FUSIBLE group of packed weights replaced by one fused QWeight where the kernels
+    allow it (same layout); Q/K/V only on layers that write the KV cache (the others use Q alone)."""
+    from fucina_jax.kernels import concat_weights
+
+    out = dict(layer)
+    for keys in FUSIBLE:
+        if (keys[0] == "attn_q" and not writes_kv) or not all(isinstance(out.get(k), QWeight) for k in keys):
+            continue
+        fused = concat_weights([out[k] for k in keys])
+        if fused is not None:
+            for k in keys:
+                del out[k]
+            out["+".join(keys)] = fused
+    return out
+
+
+def ffn_block(x: jax.Array, p: dict, act: str) -> jax.Array:
+    """glu_ffn over a layer's ffn_gate / ffn_up (possibly fused) / ffn_down."""
+    g, u = project(x, p, ("ffn_gate", "ffn_up"))
+    return linear(ACTIVATIONS[act](g) * u, p["ffn_down"])
 
 
 def moe_ffn(
@@ -273,23 +280,29 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
     H, K, Dh = cfg.n_heads, spec.n_kv_heads, spec.head_dim
     if inv_freq is None:
         inv_freq = layer_inv_freq(spec)
-    q = linear(x, p["attn_q"]).reshape(B, T, H, Dh)
+    if spec.writes_kv:
+        has_v = "attn_v" in p or "attn_q+attn_k+attn_v" in p
+        q, k, *v = project(x, p, ("attn_q", "attn_k", "attn_v") if has_v else ("attn_q", "attn_k"))
+        k = k.reshape(B, T, K, Dh)
+        v = v[0].reshape(B, T, K, Dh) if has_v else k
+    else:
+        q = linear(x, p["attn_q"])
+    q = q.reshape(B, T, H, Dh)
     if qk_norm:
-        q = rms_norm(q, p["attn_q_norm"], cfg.rms_eps)
+        q = rms_norm(q, p["attn_q_norm"], cfg.rms_eps, cfg.kernels)
     q = apply_rope(q, positions, inv_freq, cfg.rope_neox)
     if spec.writes_kv:
-        k = linear(x, p["attn_k"]).reshape(B, T, K, Dh)
-        v = linear(x, p["attn_v"]).reshape(B, T, K, Dh) if "attn_v" in p else k
         if qk_norm:
-            k = rms_norm(k, p["attn_k_norm"], cfg.rms_eps)
+            k = rms_norm(k, p["attn_k_norm"], cfg.rms_eps, cfg.kernels)
         if v_norm:
-            v = rms_norm(v, None, cfg.rms_eps)
+            v = rms_norm(v, None, cfg.rms_eps, cfg.kernels)
         k = apply_rope(k, positions, inv_freq, cfg.rope_neox)
         ks[spec.kv_slot] = write_kv(ks[spec.kv_slot], k, positions)
         vs[spec.kv_slot] = write_kv(vs[spec.kv_slot], v, positions)
     scale = spec.attn_scale if spec.attn_scale is not None else 1.0 / math.sqrt(Dh)
     window = cfg.window if spec.sliding else 0
-    a = attention(q, ks[spec.kv_slot], vs[spec.kv_slot], positions, scale, window)
+    attend = kernels_attention if cfg.kernels else attention
+    a = attend(q, ks[spec.kv_slot], vs[spec.kv_slot], positions, scale, window)
     return linear(a.reshape(B, T, H * Dh), p["attn_output"])
 
 

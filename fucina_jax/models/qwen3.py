@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
-from fucina_jax.models.layers import attention_block, embed, glu_ffn, moe_ffn, linear, rms_norm
+from fucina_jax.models.layers import attention_block, embed, ffn_block, moe_ffn, linear, rms_norm
 from fucina_jax.models.loading import TensorSpec, output_specs
 
 ARCH = "qwen3"
@@ -88,7 +88,7 @@ def ffn(p: dict, x, spec: LayerSpec, cfg: ModelConfig):
             x, linear(x, p["ffn_gate_inp"]), p["ffn_gate_exps"], p["ffn_up_exps"], p["ffn_down_exps"],
             cfg.n_expert_used, cfg.act,
         )
-    return glu_ffn(x, p["ffn_gate"], p["ffn_up"], p["ffn_down"], cfg.act)
+    return ffn_block(x, p, cfg.act)
 
 
 def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelConfig, qk_norm: bool = True):
@@ -96,9 +96,9 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
     h = embed(params, tokens, cfg)
     ks, vs = list(cache.k), list(cache.v)
     for p, spec in zip(params["layers"], cfg.layers):
-        x = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+        x = rms_norm(h, p["attn_norm"], cfg.rms_eps, cfg.kernels)
         h = h + attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm)
-        x = rms_norm(h, p["ffn_norm"], cfg.rms_eps)
+        x = rms_norm(h, p["ffn_norm"], cfg.rms_eps, cfg.kernels)
         h = h + ffn(p, x, spec, cfg)
-    h = rms_norm(h, params["output_norm"], cfg.rms_eps)
+    h = rms_norm(h, params["output_norm"], cfg.rms_eps, cfg.kernels)
     return h, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)
