@@ -257,8 +257,9 @@ CAVEATS = (
     "noisy (llama.cpp's 2-thread barriers suffer most when another process takes a core). Acceptance, and therefore "
     "speedup, is a property of (model x exact token stream): a small model that paraphrases instead of copying gives "
     "the drafts nothing to match, and a prompt whose greedy output loops makes speculation look better than it is. "
-    "Speedups are decode tok/s ratios with compile time excluded; llama.cpp runs its own quantized kernels, "
-    "fucina_jax dequantizes to f32 and runs XLA."
+    "Speedups are decode tok/s ratios with compile time excluded; both engines run quantized int8-activation "
+    "kernels (fucina_jax's through the XLA FFI, docs/performance.md), so greedy streams of the two can still part at "
+    "near-ties where their float summation orders differ."
 )
 
 

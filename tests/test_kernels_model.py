@@ -38,7 +38,7 @@ def quantized(tmp_path_factory):
 
 
 def is_packed(model) -> bool:
-    return isinstance(model.params["layers"][0]["attn_q"], kernels.QWeight)
+    return model.config.kernels and n_packed(model) > 0
 
 
 def n_packed(model) -> int:

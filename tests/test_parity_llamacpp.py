@@ -5,21 +5,22 @@ Tolerances, measured:
   Bound 1e-3: two f32 implementations that sum in different orders.
 - GeGLU models (gemma3): ~3e-3, because llama.cpp's CPU GELU reads an fp16 lookup table while fucina_jax keeps the
   exact tanh GELU. Bound 2e-2.
-- Quantized real models: llama.cpp quantizes activations to q8 before its quantized dot products, fucina_jax
-  dequantizes weights to f32 and keeps f32 activations, so logits differ by up to ~1.5 (Gemma 3 270M) with rows
-  correlated > 0.99. There the bar is the argmax: greedy continuations must agree token for token until a position
-  whose llama.cpp top-2 margin is below NEAR_TIE (a near-tie that either engine's rounding may flip), and the
-  prompts used for the acceptance bar have no such position.
+- Quantized real models: both engines quantize activations to q8 blocks, but with different blockings for K-quants
+  (llama.cpp's q8_K of 256 values, fucina_jax's q8_0 of 32), an fp16 KV cache in llama.cpp, and float sums in
+  different orders; logits differ by up to ~1.5 (Gemma 3 270M) with rows correlated > 0.99. There the bar is the
+  argmax: greedy continuations must agree token for token until a position whose llama.cpp top-2 margin is below
+  NEAR_TIE (a near-tie that either engine's rounding may flip), and there fucina_jax must pick llama.cpp's runner-up.
+  (Exact agreement on quantized Q8_0/Q4_0 fixtures is tested in test_kernels_model.py.)
 """
 
 import numpy as np
 import pytest
 
 from fucina_jax import engine
+from parity_helpers import NEAR_TIE, assert_same_or_near_tie
 
 SILU_TOL = 1e-3
 GELU_TOL = 2e-2
-NEAR_TIE = 0.5
 
 
 def greedy(model, ids, n):
@@ -48,14 +49,6 @@ def test_fixture_logits_match_llamacpp(kind, tol, fixture_path, load_model, llam
     print(f"{kind}: max |logit diff| vs llama.cpp = {diff:.2e} (logit scale {np.abs(ref).max():.1f})")
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
     assert diff < tol
-
-
-def first_divergence(ours, theirs, ref_rows):
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            top2 = np.sort(ref_rows[i])[-2:]
-            return i, float(top2[1] - top2[0])
-    return None, None
 
 
 GEMMA_PROMPTS = [
@@ -96,8 +89,7 @@ def test_gemma3_real_greedy_32_matches_llamacpp(prompt, gemma3, llama_ref, gemma
         assert len(ids) > 512
     theirs, rows = ref.greedy(ids, 32)
     ours = greedy(gemma3, ids, 32)
-    i, margin = first_divergence(ours, theirs, rows)
-    assert i is None, f"diverged at {i} (llama.cpp top-2 margin {margin:.3f})"
+    assert_same_or_near_tie(ours, theirs, rows)
     # top-5 sets at the first generated position, and the size of the quantization noise
     first = gemma3.logits(ids)[-1]
     ref_sorted = np.sort(rows[0])[::-1]
@@ -122,12 +114,7 @@ def test_smollm2_real_greedy_matches_llamacpp(prompt, smollm2, llama_ref, smollm
     ids = ref.llm.tokenize(prompt, add_bos=False, special=True)
     theirs, rows = ref.greedy(ids, 32)
     ours = greedy(smollm2, ids, 32)
-    i, margin = first_divergence(ours, theirs, rows)
-    # Q4_1 weights with q8 activations in llama.cpp: allow divergence only at a measured near-tie.
-    assert i is None or margin < NEAR_TIE, f"diverged at {i} with llama.cpp margin {margin:.3f}"
-    if i is not None:
-        print(f"smollm2: first divergence at token {i}, a near-tie (llama.cpp margin {margin:.3f})")
-    assert i is None or i >= 8
+    assert_same_or_near_tie(ours, theirs, rows)
 
 
 @pytest.fixture(scope="session")
