@@ -42,7 +42,7 @@ def enable_compilation_cache() -> None:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     where = os.environ.get("FUCINA_JAX_CACHE_DIR") or os.path.join(base, "fucina_jax", "xla")
     jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every step: small ones add up
 
 
 def default_model_path() -> str:

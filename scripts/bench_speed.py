@@ -29,7 +29,7 @@ import numpy as np
 START_CODE = r"""
 import sys, time
 t0 = time.perf_counter()
-import fucina_jax
+import jax, fucina_jax
 t1 = time.perf_counter()
 m = fucina_jax.load(sys.argv[1] or None, f32=sys.argv[2] == "1")
 t2 = time.perf_counter()
