@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from fucina_jax import kernels
 from fucina_jax.kernels.pack import PACKED_TYPES, decode_codes, pack_codes, unpack_values
 from fucina_jax.quants import dequantize
+from test_layers import np_attention  # float64 attention straight from the definition
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 
@@ -224,23 +225,6 @@ def test_real_tensors_pack_losslessly(gemma3_path, smollm2_path):
                 u, a, c, bs = decode_codes(gf.raw(name), t.qtype, t.shape)
                 assert np.array_equal(unpack_values(u, a, c, bs), gf.load(name)), name
     assert {T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_1} <= seen
-
-
-def np_attention(q, k, v, pos, scale, window):
-    """float64 softmax attention over the visible slots (GQA), straight from the definition."""
-    B, T, H, _ = q.shape
-    S, K = k.shape[1], k.shape[2]
-    out = np.zeros((B, T, H, v.shape[-1]))
-    for b in range(B):
-        for t in range(T):
-            p = pos[b, t]
-            lo = max(0, p - window + 1) if window else 0
-            js = np.arange(lo, min(p, S - 1) + 1)
-            for h in range(H):
-                s = k[b, js, h // (H // K)].astype(np.float64) @ q[b, t, h] * scale
-                e = np.exp(s - s.max())
-                out[b, t, h] = e @ v[b, js, h // (H // K)] / e.sum()
-    return out
 
 
 @pytest.mark.parametrize("window", [0, 5])

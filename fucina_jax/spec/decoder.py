@@ -57,20 +57,6 @@ def _trace_total() -> int:
     return sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values()) + sum(steps.TRACE_COUNTS.values())
 
 
-class _Timer(Timer):
-    """generate.Timer that also sees this package's compiled step (a nested sampler trace can be cached)."""
-
-    def run(self, phase: str, fn: Callable, *args, **kw):
-        before = _trace_total()
-        t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        dt = time.perf_counter() - t0
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + dt
-        if _trace_total() != before:
-            self.compile[phase] = self.compile.get(phase, 0.0) + dt
-        return out
-
-
 @dataclasses.dataclass
 class SpecStats:
     """Counts over decode steps. The first generated token is sampled from the prefill logits and is counted in
@@ -420,7 +406,7 @@ def generate_speculative(
 
 def _spec_loop(model, decoder: SpeculativeDecoder, prompt, max_tokens, ctx, stops, gen: Generation):
     """generate._plain_loop's stop rules, one step (possibly many tokens) at a time."""
-    timer = _Timer()
+    timer = Timer(traces=_trace_total)  # this package's compiled step counts too
     tokens: list[int] = []
     stop = "max_tokens"
     if max_tokens > 0:
