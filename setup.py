@@ -41,6 +41,9 @@ setup(
             depends=["fucina_jax/kernels/parallel.h"],
             extra_compile_args=_CXXFLAGS + ["-isystem", _ffi_include()],  # system: no warnings from XLA's headers
             language="c++",
+            # x86-64 only (AVX-512/AVX2 intrinsics): where it cannot build, the package installs without it and
+            # runs the f32 reference path (fucina_jax.kernels.available() is False)
+            optional=True,
         ),
     ],
 )
