@@ -22,6 +22,7 @@ from fucina_jax.spec import SpecOptions
 
 GREEDY = SamplerConfig(temperature=0, seed=1)
 MAX_TOKENS = 48
+ALWAYS = SpecOptions(min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft is verified
 CTX = 512  # a small cache keeps every step cheap
 # Turn 2 makes SmolLM2 repeat its first reply: the conversation index has something to draft from.
 TURNS = ["Repeat after me: I like green apples. I like red pears.", "Now say it again, word for word.",
@@ -50,7 +51,8 @@ def check_index_in_sync(conv: Conversation) -> None:
 def three_turns(smollm2):
     out = {}
     for spec in (False, True):
-        conv = chat(smollm2, speculation=spec)
+        # ALWAYS: every draft is verified (the gate would switch a losing turn off: then nothing is proven)
+        conv = chat(smollm2, speculation=spec, spec_options=ALWAYS if spec else None)
         out[spec] = (conv, [conv.send(t) for t in TURNS])
     return out
 
@@ -128,7 +130,7 @@ def test_reference_added_mid_conversation_drafts_next_turn(smollm2):
     assert expected[1].text[:20] not in expected[0].text
     # the gate never trips: whether a verify pays is not what this test is about (a short first turn whose drafts
     # all fail would otherwise switch speculation off for the turn that can use the reference)
-    conv = chat(smollm2, speculation=True, spec_options=SpecOptions(min_speedup=0.0, adapt_budget=False))
+    conv = chat(smollm2, speculation=True, spec_options=ALWAYS)
     conv.send(turns[0])
     assert conv.add_spec_reference(expected[1].text) == 0
     reply = conv.send(turns[1])

@@ -265,3 +265,42 @@ def test_rms_norm_kernel_matches_the_definition():
     np.testing.assert_allclose(np.asarray(kernels.rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6)), want * w,
                                rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(np.asarray(kernels.rms_norm(jnp.asarray(x), None, 1e-6)), want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("n_rot", [64, 16])
+def test_norm_rope_kernel_matches_the_definition(neox, n_rot):
+    from fucina_jax.models import layers as L
+
+    rng = np.random.default_rng(15)
+    x = jnp.asarray((rng.standard_normal((2, 3, 4, 64)) * 3).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(64).astype(np.float32))
+    pos = jnp.asarray([[0, 7, 8], [100, 2000, 30000]], jnp.int32)
+    inv = L.rope_inv_freq(n_rot, 10000.0)
+    want = L.apply_rope(L.rms_norm(x, w, 1e-6), pos, inv, neox)
+    cs = np.asarray(L.rope_angles(pos, inv))
+    np.testing.assert_allclose(kernels.norm_rope(x, w, 1e-6, jnp.asarray(cs), neox), want, atol=2e-5)
+    # rotation alone, bitwise: y0 = fma(x0, c, -(x1 s)), y1 = fma(x0, s, x1 c), as ggml's rope rounds
+    xs = np.asarray(x)
+    i0 = np.arange(n_rot // 2) if neox else 2 * np.arange(n_rot // 2)
+    i1 = i0 + n_rot // 2 if neox else i0 + 1
+    c, s = cs[:, :, None, :, 0], cs[:, :, None, :, 1]
+    x0, x1 = xs[..., i0], xs[..., i1]
+    want = xs.copy()
+    want[..., i0] = fma(x0, c, -(x1 * s))
+    want[..., i1] = fma(x0, s, x1 * c)
+    got = np.asarray(kernels.norm_rope(x, None, 1e-6, jnp.asarray(cs), neox, norm=False))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_residual_norm_kernel_matches_the_xla_layers():
+    from fucina_jax.models import layers as L
+
+    rng = np.random.default_rng(16)
+    h, a = (jnp.asarray(rng.standard_normal((2, 3, 48)).astype(np.float32)) for _ in range(2))
+    w1, w2 = (jnp.asarray(rng.standard_normal(48).astype(np.float32)) for _ in range(2))
+    for w_post in (w1, None):
+        got = kernels.residual_norm(h, a, w_post, w2, 1e-6, post=w_post is not None)
+        want = L.residual_norm(h, a, w_post, w2, 1e-6)
+        for g, x in zip(got, want):
+            np.testing.assert_allclose(g, x, atol=2e-6)

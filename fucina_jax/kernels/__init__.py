@@ -22,11 +22,13 @@ import numpy as np
 from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, pack_tensor
 
 __all__ = ["PACKED_TYPES", "QWeight", "attention", "available", "concat_weights", "isa", "pack_weight", "packable",
-           "qlinear", "rms_norm", "set_isa", "supported_isas", "take_rows"]
+           "norm_rope", "qlinear", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows"]
 
 TARGET = "fucina_qmatmul"
 ATTENTION_TARGET = "fucina_attention"
 RMS_NORM_TARGET = "fucina_rms_norm"
+NORM_ROPE_TARGET = "fucina_norm_rope"
+RESIDUAL_NORM_TARGET = "fucina_residual_norm"
 _registered = False
 
 
@@ -37,7 +39,7 @@ def _module():
 
 
 def available() -> bool:
-    """True when the compiled kernels import (they are built by `pip install`)."""
+    """True when the compiled kernels import (they are built by `pip install` on x86-64)."""
     try:
         _module()
     except ImportError:
@@ -48,9 +50,8 @@ def available() -> bool:
 def _register() -> None:
     global _registered
     if not _registered:
-        jax.ffi.register_ffi_target(TARGET, _module().handler(), platform="cpu")
-        jax.ffi.register_ffi_target(ATTENTION_TARGET, _module().attention_handler(), platform="cpu")
-        jax.ffi.register_ffi_target(RMS_NORM_TARGET, _module().rms_norm_handler(), platform="cpu")
+        for name, capsule in _module().handlers().items():
+            jax.ffi.register_ffi_target(f"fucina_{name}", capsule, platform="cpu")
         _registered = True
 
 
@@ -157,3 +158,29 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
     x = x.astype(jnp.float32)
     w = jnp.zeros((0,), jnp.float32) if w is None else w.astype(jnp.float32)
     return jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))(x, w, eps=np.float32(eps))
+
+
+def _weight(w: jax.Array | None) -> jax.Array:
+    return jnp.zeros((0,), jnp.float32) if w is None else w.astype(jnp.float32)
+
+
+def norm_rope(x: jax.Array, w: jax.Array | None, eps: float, cos_sin: jax.Array, neox: bool,
+              norm: bool = True) -> jax.Array:
+    """layers.apply_rope(layers.rms_norm(x, w, eps)) (or RoPE alone with norm=False) in one C call, per head.
+    x [B, T, H, Dh]; cos_sin [B, T, n_rot / 2, 2]: cos and sin of each rotation angle (layers.rope_angles)."""
+    _register()
+    return jax.ffi.ffi_call(NORM_ROPE_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))(
+        x.astype(jnp.float32), _weight(w), cos_sin.astype(jnp.float32), eps=np.float32(eps), norm=np.int64(norm),
+        neox=np.int64(neox),
+    )
+
+
+def residual_norm(h: jax.Array, a: jax.Array, w_post: jax.Array | None, w_next: jax.Array, eps: float,
+                  post: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(h', rms_norm(h', w_next)) with h' = h + rms_norm(a, w_post) (post=False: h + a), in one C call."""
+    _register()
+    shape = jax.ShapeDtypeStruct(h.shape, jnp.float32)
+    return jax.ffi.ffi_call(RESIDUAL_NORM_TARGET, (shape, shape))(
+        h.astype(jnp.float32), a.astype(jnp.float32), _weight(w_post), _weight(w_next), eps=np.float32(eps),
+        post=np.int64(post),
+    )

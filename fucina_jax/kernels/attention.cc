@@ -191,3 +191,121 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaRmsNorm, RmsNormImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps"));
+
+// ------------------------------------------------------------------------------------------------------------------
+// RoPE, optionally after a per-head RMSNorm (Qwen3 / Gemma q- and k-norm), in one call: x [B, T, H, Dh] rotated on
+// its first 2 * half dims by the angles whose cos/sin come precomputed in cs [B, T, half, 2] (NEOX pairs i and
+// i + half; NORM pairs 2i and 2i + 1). The caller computes cs in XLA, once per step for every layer sharing the
+// angles (XLA merges the identical computations), with the same cos/sin as layers.apply_rope.
+// ------------------------------------------------------------------------------------------------------------------
+
+namespace {
+
+// The rotation rounds as ggml's rope compiled by GCC (and XLA's fused rope) do: y0 = fma(x0, c, -(x1 s)),
+// y1 = fma(x0, s, x1 c). Spelled with explicit fmaf and not vectorised (GCC 12's SLP vectoriser otherwise makes its
+// own vfmaddsub choices, even under -ffp-contract=off).
+__attribute__((optimize("no-tree-vectorize"))) void rotate_pairs(float* y, const float* cs, int64_t half,
+                                                                 bool neox) {
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float c = cs[2 * i], s = cs[2 * i + 1];
+    const float x0 = y[a], x1 = y[b];
+    y[a] = std::fmaf(x0, c, -(x1 * s));
+    y[b] = std::fmaf(x0, s, x1 * c);
+  }
+}
+
+FUCINA_CLONES
+void norm_rope_row(const float* x, const float* w, int64_t Dh, float eps, bool norm, const float* cs,
+                   int64_t half, bool neox, float* y) {
+  if (norm) {
+    norm_row(x, w, Dh, eps, y);
+  } else {
+    for (int64_t d = 0; d < Dh; ++d) y[d] = x[d];
+  }
+  rotate_pairs(y, cs, half, neox);
+}
+
+ffi::Error NormRopeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> cs,
+                        ffi::ResultBuffer<ffi::F32> y, float eps, int64_t norm, int64_t neox) {
+  auto xd = x.dimensions(), cd = cs.dimensions();
+  if (xd.size() != 4 || cd.size() != 4 || cd[0] != xd[0] || cd[1] != xd[1] || cd[3] != 2)
+    return ffi::Error::InvalidArgument("fucina_norm_rope: x must be [B, T, H, Dh] and cs [B, T, half, 2]");
+  const int64_t B = xd[0], T = xd[1], H = xd[2], Dh = xd[3], half = cd[2];
+  if (2 * half > Dh || (w.element_count() != 0 && static_cast<int64_t>(w.element_count()) != Dh))
+    return ffi::Error::InvalidArgument("fucina_norm_rope: the rotation or the norm weight does not fit the head");
+  const float* xp = x.typed_data();
+  const float* wp = w.element_count() ? w.typed_data() : nullptr;
+  float* yp = y->typed_data();
+  for (int64_t bt = 0; bt < B * T; ++bt)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t r = bt * H + h;
+      norm_rope_row(xp + r * Dh, wp, Dh, eps, norm != 0, cs.typed_data() + bt * 2 * half, half, neox != 0,
+                    yp + r * Dh);
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaNormRope, NormRopeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("norm")
+                                  .Attr<int64_t>("neox"));
+
+// ------------------------------------------------------------------------------------------------------------------
+// The residual step between sublayers, fused: h' = h + (post-norm(a) or a); x = norm(h', w_next). Two outputs, one
+// call (XLA: two norms and an add). Same per-row order as norm_row.
+// ------------------------------------------------------------------------------------------------------------------
+
+namespace {
+
+FUCINA_CLONES
+void residual_row(const float* h, const float* a, const float* w_post, bool post, const float* w_next, int64_t D,
+                  float eps, float* tmp, float* h_out, float* x_out) {
+  if (post) {
+    norm_row(a, w_post, D, eps, tmp);
+    for (int64_t d = 0; d < D; ++d) h_out[d] = h[d] + tmp[d];
+  } else {
+    for (int64_t d = 0; d < D; ++d) h_out[d] = h[d] + a[d];
+  }
+  norm_row(h_out, w_next, D, eps, x_out);
+}
+
+ffi::Error ResidualNormImpl(ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> w_post,
+                            ffi::Buffer<ffi::F32> w_next, ffi::ResultBuffer<ffi::F32> h_out,
+                            ffi::ResultBuffer<ffi::F32> x_out, float eps, int64_t post) {
+  auto hd = h.dimensions();
+  if (hd.size() == 0 || h.element_count() != a.element_count())
+    return ffi::Error::InvalidArgument("fucina_residual_norm: h and a must have the same shape");
+  const int64_t D = hd[hd.size() - 1];
+  if ((post && static_cast<int64_t>(w_post.element_count()) != D && w_post.element_count() != 0) ||
+      (w_next.element_count() != 0 && static_cast<int64_t>(w_next.element_count()) != D))
+    return ffi::Error::InvalidArgument("fucina_residual_norm: a norm weight does not fit the last axis");
+  const int64_t rows = D ? static_cast<int64_t>(h.element_count()) / D : 0;
+  std::vector<float> tmp(static_cast<size_t>(D));
+  for (int64_t r = 0; r < rows; ++r)
+    residual_row(h.typed_data() + r * D, a.typed_data() + r * D,
+                 w_post.element_count() ? w_post.typed_data() : nullptr, post != 0,
+                 w_next.element_count() ? w_next.typed_data() : nullptr, D, eps, tmp.data(),
+                 h_out->typed_data() + r * D, x_out->typed_data() + r * D);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaResidualNorm, ResidualNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("post"));

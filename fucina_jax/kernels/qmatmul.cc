@@ -31,6 +31,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -387,22 +388,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
                                   .Attr<int64_t>("bs"));
 
 // ------------------------------------------------------------------------------------------------------------------
-// Python module: the handler capsule and the instruction-set switch (tests force the fallbacks with it).
+// Python module: the handler capsules and the instruction-set switch (tests force the fallbacks with it).
 // ------------------------------------------------------------------------------------------------------------------
-
-static PyObject* py_handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&FucinaQMatmul), nullptr, nullptr);
-}
 
 extern "C" XLA_FFI_Error* FucinaAttention(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaRmsNorm(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* FucinaNormRope(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* FucinaResidualNorm(XLA_FFI_CallFrame* call_frame);
 
-static PyObject* py_rms_norm_handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&FucinaRmsNorm), nullptr, nullptr);
-}
-
-static PyObject* py_attention_handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&FucinaAttention), nullptr, nullptr);
+// name -> the XLA FFI handler registered under "fucina_" + name (fucina_jax/kernels/__init__.py)
+static PyObject* py_handlers(PyObject*, PyObject*) {
+  const std::pair<const char*, void*> handlers[] = {
+      {"qmatmul", reinterpret_cast<void*>(&FucinaQMatmul)},
+      {"attention", reinterpret_cast<void*>(&FucinaAttention)},
+      {"rms_norm", reinterpret_cast<void*>(&FucinaRmsNorm)},
+      {"norm_rope", reinterpret_cast<void*>(&FucinaNormRope)},
+      {"residual_norm", reinterpret_cast<void*>(&FucinaResidualNorm)},
+  };
+  PyObject* out = PyDict_New();
+  for (const auto& [name, fn] : handlers) {
+    PyObject* cap = PyCapsule_New(fn, nullptr, nullptr);
+    PyDict_SetItemString(out, name, cap);
+    Py_DECREF(cap);
+  }
+  return out;
 }
 
 static PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(kIsas[current_isa()].name); }
@@ -436,9 +445,7 @@ static PyObject* py_set_isa(PyObject*, PyObject* arg) {
 }
 
 static PyMethodDef kMethods[] = {
-    {"handler", py_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler fucina_qmatmul."},
-    {"attention_handler", py_attention_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler fucina_attention."},
-    {"rms_norm_handler", py_rms_norm_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler fucina_rms_norm."},
+    {"handlers", py_handlers, METH_NOARGS, "{name: PyCapsule of the XLA FFI handler fucina_<name>}."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use now."},
     {"supported_isas", py_supported_isas, METH_NOARGS, "Instruction sets this CPU can run, best first."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this instruction set (avx512, avx2, scalar)."},

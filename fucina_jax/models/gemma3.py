@@ -14,7 +14,7 @@ import math
 
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
-from fucina_jax.models.layers import attention_block, embed, ffn_block, rms_norm
+from fucina_jax.models.layers import attention_block, embed, ffn_block, residual_norm, rms_norm
 from fucina_jax.models.loading import TensorSpec, output_specs
 
 ARCH = "gemma3"
@@ -86,13 +86,11 @@ def tensor_table(cfg: ModelConfig):
 def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelConfig):
     h = embed(params, tokens, cfg)
     ks, vs = list(cache.k), list(cache.v)
-    eps = cfg.rms_eps
-    for p, spec in zip(params["layers"], cfg.layers):
-        x = rms_norm(h, p["attn_norm"], eps, cfg.kernels)
+    layers, eps = params["layers"], cfg.rms_eps
+    x = rms_norm(h, layers[0]["attn_norm"], eps, cfg.kernels)
+    for i, (p, spec) in enumerate(zip(layers, cfg.layers)):
         a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True)
-        h = h + rms_norm(a, p["post_attention_norm"], eps, cfg.kernels)
-        x = rms_norm(h, p["ffn_norm"], eps, cfg.kernels)
-        f = ffn_block(x, p, cfg.act)
-        h = h + rms_norm(f, p["post_ffw_norm"], eps, cfg.kernels)
-    h = rms_norm(h, params["output_norm"], eps, cfg.kernels)
-    return h, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)
+        h, x = residual_norm(h, a, p["post_attention_norm"], p["ffn_norm"], eps, cfg.kernels)
+        nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["output_norm"]
+        h, x = residual_norm(h, ffn_block(x, p, cfg.act), p["post_ffw_norm"], nxt, eps, cfg.kernels)
+    return x, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)

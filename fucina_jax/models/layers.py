@@ -19,10 +19,13 @@ import numpy as np
 
 from fucina_jax.kernels import QWeight, qlinear, take_rows
 from fucina_jax.kernels import attention as kernels_attention
+from fucina_jax.kernels import norm_rope as kernels_norm_rope
+from fucina_jax.kernels import residual_norm as kernels_residual_norm
 from fucina_jax.kernels import rms_norm as kernels_rms_norm
 
 __all__ = [
     "rms_norm",
+    "rope_angles",
     "rope_inv_freq",
     "apply_rope",
     "attention",
@@ -31,6 +34,7 @@ __all__ = [
     "fuse_projections",
     "glu_ffn",
     "project",
+    "residual_norm",
     "gelu_tanh",
     "moe_ffn",
     "softcap",
@@ -51,6 +55,16 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, fast: bool = False) 
     return y if w is None else y * w
 
 
+def residual_norm(h: jax.Array, a: jax.Array, w_post: jax.Array | None, w_next: jax.Array, eps: float,
+                  fast: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The step between sublayers: h' = h + rms_norm(a, w_post) (Gemma's post-norms) or h + a (w_post None), and
+    the next sublayer's input rms_norm(h', w_next). fast: one C call (kernels.residual_norm)."""
+    if fast:
+        return kernels_residual_norm(h, a, w_post, w_next, eps, post=w_post is not None)
+    h = h + (a if w_post is None else rms_norm(a, w_post, eps))
+    return h, rms_norm(h, w_next, eps)
+
+
 def rope_inv_freq(n_rot: int, base: float, freq_scale: float = 1.0, freq_factors=None) -> np.ndarray:
     """Per-pair angular speeds [n_rot/2]: freq_scale * base^(-2i/n_rot) / ff[i] (ggml's rope with freq factors).
 
@@ -63,6 +77,12 @@ def rope_inv_freq(n_rot: int, base: float, freq_scale: float = 1.0, freq_factors
     return inv.astype(np.float32)
 
 
+def rope_angles(positions: jax.Array, inv_freq) -> jax.Array:
+    """cos and sin of every rotation angle: positions [B, T] -> [B, T, n_rot/2, 2]."""
+    theta = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, n_rot/2]
+    return jnp.stack([jnp.cos(theta), jnp.sin(theta)], axis=-1)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, neox: bool = True) -> jax.Array:
     """Rotate the first n_rot = 2*len(inv_freq) dims of each head; the rest pass through.
 
@@ -71,9 +91,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, neox: b
     permuted Q/K rows for exactly this layout).
     """
     n_rot = 2 * inv_freq.shape[0]
-    theta = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, n_rot/2]
-    cos = jnp.cos(theta)[:, :, None, :]
-    sin = jnp.sin(theta)[:, :, None, :]
+    cs = rope_angles(positions, inv_freq)
+    cos = cs[:, :, None, :, 0]
+    sin = cs[:, :, None, :, 1]
     xr, xpass = x[..., :n_rot], x[..., n_rot:]
     if neox:
         x0, x1 = xr[..., : n_rot // 2], xr[..., n_rot // 2 :]
@@ -287,16 +307,16 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
         v = v[0].reshape(B, T, K, Dh) if has_v else k
     else:
         q = linear(x, p["attn_q"])
-    q = q.reshape(B, T, H, Dh)
-    if qk_norm:
-        q = rms_norm(q, p["attn_q_norm"], cfg.rms_eps, cfg.kernels)
-    q = apply_rope(q, positions, inv_freq, cfg.rope_neox)
+    def norm_rope(x, w):  # (q/k-norm, then) RoPE: one C call on the kernels' path
+        if cfg.kernels:
+            return kernels_norm_rope(x, w, cfg.rms_eps, rope_angles(positions, inv_freq), cfg.rope_neox, norm=qk_norm)
+        return apply_rope(rms_norm(x, w, cfg.rms_eps) if qk_norm else x, positions, inv_freq, cfg.rope_neox)
+
+    q = norm_rope(q.reshape(B, T, H, Dh), p.get("attn_q_norm"))
     if spec.writes_kv:
-        if qk_norm:
-            k = rms_norm(k, p["attn_k_norm"], cfg.rms_eps, cfg.kernels)
         if v_norm:
             v = rms_norm(v, None, cfg.rms_eps, cfg.kernels)
-        k = apply_rope(k, positions, inv_freq, cfg.rope_neox)
+        k = norm_rope(k, p.get("attn_k_norm"))
         ks[spec.kv_slot] = write_kv(ks[spec.kv_slot], k, positions)
         vs[spec.kv_slot] = write_kv(vs[spec.kv_slot], v, positions)
     scale = spec.attn_scale if spec.attn_scale is not None else 1.0 / math.sqrt(Dh)

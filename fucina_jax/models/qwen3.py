@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
-from fucina_jax.models.layers import attention_block, embed, ffn_block, moe_ffn, linear, rms_norm
+from fucina_jax.models.layers import attention_block, embed, ffn_block, linear, moe_ffn, residual_norm, rms_norm
 from fucina_jax.models.loading import TensorSpec, output_specs
 
 ARCH = "qwen3"
@@ -95,10 +95,11 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
     """tokens/positions [B, T] -> (final-normed hidden [B, T, D], cache with this step's K/V written)."""
     h = embed(params, tokens, cfg)
     ks, vs = list(cache.k), list(cache.v)
-    for p, spec in zip(params["layers"], cfg.layers):
-        x = rms_norm(h, p["attn_norm"], cfg.rms_eps, cfg.kernels)
-        h = h + attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm)
-        x = rms_norm(h, p["ffn_norm"], cfg.rms_eps, cfg.kernels)
-        h = h + ffn(p, x, spec, cfg)
-    h = rms_norm(h, params["output_norm"], cfg.rms_eps, cfg.kernels)
-    return h, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)
+    layers, eps = params["layers"], cfg.rms_eps
+    x = rms_norm(h, layers[0]["attn_norm"], eps, cfg.kernels)
+    for i, (p, spec) in enumerate(zip(layers, cfg.layers)):
+        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm)
+        h, x = residual_norm(h, a, None, p["ffn_norm"], eps, cfg.kernels)
+        nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["output_norm"]
+        h, x = residual_norm(h, ffn(p, x, spec, cfg), None, nxt, eps, cfg.kernels)
+    return x, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)
