@@ -272,8 +272,11 @@ def run(args) -> int:
         out.flush()
     if result.stop_reason == "context":
         _log(args, f"stopped: the context of {ctx} tokens is full (use a larger --ctx)")
-    _log(args, f"prompt: {result.n_prompt} tokens, {result.prompt_tps:.1f} tok/s | "
-               f"decode: {result.n_gen} tokens, {result.decode_tps:.1f} tok/s | "
+    def rate(tps: float) -> str:  # 0: every call of the phase compiled, so there is no clean rate to show
+        return f"{tps:.1f} tok/s" if tps > 0 else "rate n/a (compiled)"
+
+    _log(args, f"prompt: {result.n_prompt} tokens, {rate(result.prompt_tps)} | "
+               f"decode: {result.n_gen} tokens, {rate(result.decode_tps)} | "
                f"compile: {result.compile_seconds:.1f} s | stop: {result.stop_reason}")
     if result.spec is not None:
         _log(args, result.spec["summary"])
