@@ -27,6 +27,7 @@ DEFAULT_CTX = 4096
 
 
 def any_packed(params) -> bool:
+    """True when some weight of the pytree is a packed QWeight (the kernels' path)."""
     from fucina_jax.kernels import QWeight
 
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QWeight))

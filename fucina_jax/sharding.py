@@ -196,9 +196,9 @@ def param_shardings(params, cfg: ModelConfig, mesh: Mesh):
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
     """params (jax or NumPy arrays) placed with their NamedShardings; NumPy arrays go straight to their shards, so a
     model larger than one device never has to fit on one."""
-    from fucina_jax.kernels import QWeight
+    from fucina_jax.model import any_packed
 
-    if any(isinstance(x, QWeight) for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QWeight))):
+    if any_packed(params):
         raise MeshError(
             "quantized-kernel weights cannot be sharded (an FFI call runs on one device); load the model with "
             "fucina_jax.load(path, f32=True) or fucina_jax.sharding.load_sharded(path, mesh)"
