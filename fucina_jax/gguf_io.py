@@ -6,7 +6,9 @@ a name -> array mapping. Malformed files are turned into `GGUFError` with a mess
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,7 @@ def _check_path(path: str | os.PathLike) -> str:
 # GGUF value types (gguf spec): scalar little-endian dtypes; 8 = string, 9 = array.
 _SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 DEFAULT_ALIGNMENT = 32
 
 
@@ -83,13 +86,35 @@ class _Header:
         self.pos += n
         return s
 
+    def strings(self, n: int) -> list[str]:
+        """An array of n strings. One tight pass (length, slice) then one decode per string: a vocabulary of 262k
+        tokens in ~0.1 s instead of ~1 s through `string`. Anything odd (a length past the end, bad UTF-8) reruns
+        the array through `string`, which raises the precise error."""
+        start, buf, unpack = self.pos, self.buf, _U64.unpack_from
+        pieces = []
+        append = pieces.append
+        pos = start
+        try:
+            for _ in range(n):
+                (k,) = unpack(buf, pos)
+                pos += 8 + k
+                append(buf[pos - k : pos])  # a slice past the end is cut short: caught by the check below
+            if pos <= len(buf):
+                out = [str(b, "utf-8") for b in pieces]
+                self.pos = pos
+                return out
+        except (struct.error, UnicodeDecodeError, OverflowError):
+            pass
+        self.pos = start
+        return [self.string() for _ in range(n)]
+
     def value(self, t: int):
         if t == _STRING:
             return self.string()
         if t == _ARRAY:
             et, n = self.scalar(4), self.scalar(10)
             if et == _STRING:
-                return [self.string() for _ in range(n)]
+                return self.strings(n)
             if et == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(n)]
             if et not in _SCALAR:
@@ -137,6 +162,24 @@ class GGUFFile:
                                  offset=t.offset)
         return np.frombuffer(self._buf, dtype=np.uint8, count=t.n_bytes, offset=t.offset)
 
+    def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        """Drop this process's resident pages of bytes [start, stop) of tensor `name` (once they are consumed): the
+        mapped file's touched pages count in RSS until then. Views stay valid; a page touched again is re-read from
+        the page cache."""
+        t = self.tensors[name]
+        stop = t.n_bytes if stop is None else stop
+        lo = (t.offset + start) // mmap.PAGESIZE * mmap.PAGESIZE
+        if self._buf is not None and not self._buf.closed and stop > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._buf.madvise(mmap.MADV_DONTNEED, lo, t.offset + stop - lo)
+
+    def close(self) -> None:
+        """Unmap the file now rather than when the object is collected (a no-op while NumPy views of it live)."""
+        if self._buf is not None and not self._buf.closed:
+            try:
+                self._buf.close()
+            except BufferError:  # exported views: the mapping goes when the last of them does
+                pass
+
     def load(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to float32 in NumPy order."""
         from fucina_jax.quants import dequantize
@@ -150,8 +193,6 @@ class GGUFFile:
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open a GGUF file (memory-mapped): metadata and tensor directory now, tensor data lazily through `load`."""
-    import mmap
-
     import gguf
 
     path = _check_path(path)
@@ -205,4 +246,6 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Only the metadata of a GGUF file (key -> plain Python value); no tensor is touched."""
-    return open_gguf(path).metadata
+    gf = open_gguf(path)
+    gf.close()
+    return gf.metadata
