@@ -31,11 +31,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes
 
-__all__ = ["PACKED_TYPES", "LANES", "QBLOCK", "decode_codes", "pack_codes", "pack_tensor", "unpack_values"]
+__all__ = ["PACKED_TYPES", "LANES", "QBLOCK", "aligned_empty", "decode_codes", "pack_codes", "pack_tensor",
+           "unpack_values"]
 
 T = GGMLQuantizationType
 LANES = 16  # output columns per group: one AVX-512 lane each
 QBLOCK = 32  # activation quantization block along K
+ALIGN = 64  # bytes: the host-buffer alignment XLA's CPU client adopts without a copy
 _U8 = np.uint8
 
 
@@ -128,7 +130,8 @@ def unpack_values(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int) -
 
 
 def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int):
-    """Codes [N, K] + scales [N, K/bs] -> the kernel layout (q, a, c), columns padded to a multiple of 16."""
+    """Codes [N, K] + scales [N, K/bs] -> the kernel layout (q, a, c), columns padded to a multiple of 16. The plain
+    statement of the layout: pack_tensor computes the same bytes faster, and the tests hold it to this."""
     N, K = u.shape
     G = -(-N // LANES)
     pad = G * LANES - N
@@ -150,26 +153,79 @@ def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int):
     )
 
 
-def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], rows_per_chunk: int = 8192):
-    """Raw GGUF bytes of a [N, K] tensor -> (q, a, c, bs) packed, a chunk of rows at a time so the transient
-    NumPy copies stay small next to the result (Gemma 3's tied embedding is 262144 rows)."""
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """np.empty whose data starts on a 64-byte boundary. jax.device_put on the CPU adopts such a buffer instead of
+    copying it (XLA's CPU client zero-copies aligned host memory), so a packed weight is allocated once, not twice."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    off = -raw.ctypes.data % ALIGN
+    return raw[off : off + n].view(dtype).reshape(shape)
+
+
+def _lanes_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst [g, X * 16] <- src [g * 16, X] with the 16 rows of a group innermost: dst[g, x * 16 + l] = src[g * 16 + l, x].
+    On the codes this runs over uint32 views (4 consecutive K values move as one element: 4x fewer elements than
+    pack_codes' byte-wise transpose, same bytes)."""
+    g = dst.shape[0]
+    np.copyto(dst.reshape(g, -1, LANES), src.reshape(g, LANES, -1).transpose(0, 2, 1))
+
+
+def _pad_rows(x: np.ndarray, rows: int, fill) -> np.ndarray:
+    return np.concatenate([x, np.full((rows - x.shape[0], x.shape[1]), fill, x.dtype)])
+
+
+def _chunk_rows(K: int, rows_per_chunk: int | None) -> int:
+    if rows_per_chunk is None:  # about 4 MB of codes per chunk: the decoders' temporaries stay in cache
+        rows_per_chunk = (4 << 20) // K
+    return max(LANES, rows_per_chunk // LANES * LANES)
+
+
+def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], rows_per_chunk: int | None = None,
+                done=None):
+    """Raw GGUF bytes of a [N, K] tensor -> (q, a, c, bs) packed (byte for byte pack_codes(*decode_codes(...))), into
+    64-byte aligned arrays (see aligned_empty), a chunk of rows at a time so the transient NumPy copies stay small
+    next to the result (Gemma 3's tied embedding is 262144 rows). `done(rows)`, if given, is called with each chunk
+    of raw rows once it is consumed (the loader drops those file pages from memory)."""
     N, K = shape
-    _, bs = _DECODERS[qtype]
+    decoder, bs = _DECODERS[qtype]
     block, type_size = GGML_QUANT_SIZES[qtype]
     rows = _as_bytes(raw).reshape(N, K // block * type_size)
     G = -(-N // LANES)
-    nb = K // QBLOCK
+    nb, per_row = K // QBLOCK, K // bs
     affine = qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K)
-    q = np.empty((G, nb * 8 * LANES * 4), np.uint8)
-    a = np.empty((G, K // bs * LANES), np.float32)
-    c = np.empty((G, K // bs * LANES), np.float32) if affine else np.zeros((0,), np.float32)
-    step = max(LANES, rows_per_chunk // LANES * LANES)
+    q = aligned_empty((G, nb * 8 * LANES * 4), np.uint8)
+    q32 = q.view(np.uint32)  # [G, nb * 8 * 16]: one element = the 4 consecutive K values of one column
+    a = aligned_empty((G, per_row * LANES), np.float32)
+    c = aligned_empty((G, per_row * LANES), np.float32) if affine else np.zeros((0,), np.float32)
+    step = _chunk_rows(K, rows_per_chunk)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
-        u_, a_, c_, _ = decode_codes(rows[n0:n1], qtype, (n1 - n0, K))
-        q_, pa, pc = pack_codes(u_, a_, c_, bs)
-        g0, g1 = n0 // LANES, n0 // LANES + q_.shape[0]
-        q[g0:g1], a[g0:g1] = q_, pa
-        if affine:
-            c[g0:g1] = pc
+        g0, g1 = n0 // LANES, -(-n1 // LANES)
+        chunk = rows[n0:n1]
+        if qtype == T.Q8_0 and n1 - n0 == (g1 - g0) * LANES:
+            _q8_0_into(q32[g0:g1], chunk, nb)
+            _lanes_into(a[g0:g1], _f16(chunk.reshape(-1, type_size), 0).reshape(n1 - n0, per_row))
+        else:
+            u_, a_, c_ = decoder(chunk.reshape(-1, type_size))
+            u_, a_ = u_.reshape(n1 - n0, K), a_.astype(np.float32).reshape(n1 - n0, per_row)
+            if n1 - n0 < (g1 - g0) * LANES:  # padded columns compute 0: code 128, scale 0 (and offset 0)
+                u_, a_ = _pad_rows(u_, (g1 - g0) * LANES, 128), _pad_rows(a_, (g1 - g0) * LANES, 0)
+                if c_ is not None:
+                    c_ = _pad_rows(c_.astype(np.float32).reshape(n1 - n0, per_row), (g1 - g0) * LANES, 0)
+            _lanes_into(q32[g0:g1], np.ascontiguousarray(u_).view(np.uint32))
+            _lanes_into(a[g0:g1], a_)
+            if affine:
+                _lanes_into(c[g0:g1], c_.astype(np.float32).reshape(-1, per_row))
+        if done is not None:
+            done(chunk)
     return q, a, c, bs
+
+
+def _q8_0_into(dst: np.ndarray, chunk: np.ndarray, nb: int) -> None:
+    """Q8_0 rows straight into the packed codes, no decode copy: the 32 int8 of a block (after its 2-byte scale) are
+    read as 8 unaligned little-endian uint32 words and the sign bit of each byte flipped (q + 128) on the way."""
+    n, row = chunk.shape
+    words = np.ndarray((n // LANES, LANES, nb, 8), np.uint32, buffer=np.ascontiguousarray(chunk), offset=2,
+                       strides=(LANES * row, row, 2 + QBLOCK, 4))
+    np.bitwise_xor(words.transpose(0, 2, 3, 1), np.uint32(0x80808080), out=dst.reshape(n // LANES, nb, 8, LANES))
