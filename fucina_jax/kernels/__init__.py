@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, pack_tensor
+from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, pack_tensor
 
 __all__ = ["PACKED_TYPES", "QWeight", "attention", "available", "concat_weights", "isa", "pack_weight", "packable",
            "norm_rope", "qlinear", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows"]
@@ -91,21 +91,28 @@ class QWeight:
         return int(self.q.size + 4 * self.a.size + 4 * self.c.size)
 
 
-def pack_weight(raw: np.ndarray, qtype, shape: tuple[int, int]) -> QWeight:
-    """Raw GGUF bytes of a [n, k] tensor of a type in PACKED_TYPES -> QWeight (NumPy leaves; jnp.asarray them)."""
-    q, a, c, bs = pack_tensor(raw, qtype, tuple(shape))
+def pack_weight(raw: np.ndarray, qtype, shape: tuple[int, int], done=None) -> QWeight:
+    """Raw GGUF bytes of a [n, k] tensor of a type in PACKED_TYPES -> QWeight with NumPy leaves, 64-byte aligned so
+    jax.device_put adopts them without a copy. `done` as in pack.pack_tensor."""
+    q, a, c, bs = pack_tensor(raw, qtype, tuple(shape), done=done)
     return QWeight(q=q, a=a, c=c, n=int(shape[0]), k=int(shape[1]), bs=bs)
 
 
 def concat_weights(ws: list[QWeight]) -> QWeight | None:
     """Weights that read the same input (Q, K, V; gate, up) as one QWeight whose outputs are the parts' outputs side
     by side (`splits` = the parts' n): one kernel call instead of several, each column computed exactly as before.
-    None when the parts differ in layout (k, bs, affine) or a part's columns do not fill whole 16-column groups."""
+    None when the parts differ in layout (k, bs, affine) or a part's columns do not fill whole 16-column groups.
+    NumPy parts (the loader fuses before placing) give 64-byte aligned NumPy leaves, like pack_weight."""
     first = ws[0]
     affine = first.c.size > 0
     if any(w.k != first.k or w.bs != first.bs or (w.c.size > 0) != affine or w.n % LANES for w in ws):
         return None
-    cat = jnp.concatenate if isinstance(first.q, jax.Array) else np.concatenate
+    if isinstance(first.q, jax.Array):
+        cat = jnp.concatenate
+    else:
+        def cat(parts):
+            out = aligned_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
+            return np.concatenate(parts, out=out)
     return QWeight(q=cat([w.q for w in ws]), a=cat([w.a for w in ws]), c=cat([w.c for w in ws]),
                    n=sum(w.n for w in ws), k=first.k, bs=first.bs, splits=tuple(w.n for w in ws))
 

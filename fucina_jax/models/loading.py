@@ -65,8 +65,16 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
 
         qtype = gf.tensors[name].qtype
         if kernels.packable(qtype, shape):
-            return kernels.pack_weight(gf.raw(name), qtype, shape)
-    return gf.load(name)
+            raw = gf.raw(name)
+            base = raw.ctypes.data
+
+            def done(rows):  # drop the file pages of each chunk once packed: the mapping is not held whole in RSS
+                gf.release(name, rows.ctypes.data - base, rows.ctypes.data - base + rows.nbytes)
+
+            return kernels.pack_weight(raw, qtype, shape, done=done)
+    arr = gf.load(name)  # a converted copy: the file pages are no longer needed
+    gf.release(name)
+    return arr
 
 
 def load_params(
@@ -79,11 +87,14 @@ def load_params(
     *,
     packed: bool = False,
     place: Callable = lambda x: x,
+    fuse: Callable[[int, dict], dict] | None = None,
 ) -> dict:
     """Read every tensor of the tables into {key: array, "layers": (per-layer dict, ...)}.
 
-    `place` maps each tensor (a NumPy array or a QWeight of them) as soon as it is read, e.g. onto the device, so the
-    host copy of one tensor at a time is all that is transient."""
+    `fuse(l, layer)` may rewrite a layer's NumPy dict (e.g. layers.fuse_projections) before `place` maps every array
+    of it, e.g. onto the device; globals are placed one by one as read. So the host copy of one layer at a time is all
+    that is transient, and each tensor is placed once (with 64-byte aligned packed arrays jax.device_put adopts the
+    host buffer: no copy at all)."""
     import jax
 
     def put(x):
@@ -100,8 +111,8 @@ def load_params(
         for spec in layer_specs(l):
             arr = _read(gf, spec, spec.name.format(l=l), arch, packed)
             if arr is not None:
-                lp[spec.key] = put(arr)
-        layers.append(lp)
+                lp[spec.key] = arr
+        layers.append(put(fuse(l, lp) if fuse else lp))
         if progress:
             progress(l + 1, n_layers)
     params["layers"] = tuple(layers)
