@@ -224,7 +224,8 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
 
 def _q8_0_into(dst: np.ndarray, chunk: np.ndarray, nb: int) -> None:
     """Q8_0 rows straight into the packed codes, no decode copy: the 32 int8 of a block (after its 2-byte scale) are
-    read as 8 unaligned little-endian uint32 words and the sign bit of each byte flipped (q + 128) on the way."""
+    moved as 8 unaligned uint32 words, and XOR 0x80808080 flips the sign bit of each byte (q + 128) on the way (the
+    bytes stay in file order, so the host's byte order does not matter)."""
     n, row = chunk.shape
     words = np.ndarray((n // LANES, LANES, nb, 8), np.uint32, buffer=np.ascontiguousarray(chunk), offset=2,
                        strides=(LANES * row, row, 2 + QBLOCK, 4))
