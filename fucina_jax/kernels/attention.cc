@@ -26,16 +26,34 @@ constexpr int kLanes = 16;
 
 #define FUCINA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-// a . b over n values: 16 partial sums, then a fixed halving tree.
-inline float dot_fixed(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {0};
+// 16 floats as one GCC vector: elementwise IEEE operations, one zmm on AVX-512, two ymm on AVX2, four xmm else.
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+// a . b[s] over n values for N vectors b[s] at once: per vector 16 partial sums, then a fixed halving tree. The N
+// dot products are independent chains (4 keep the adder busy); each is computed exactly as with N = 1.
+template <int N>
+inline void dots_fixed(const float* a, const float* const* b, int64_t n, float* out) {
+  v16 acc[N];
+  for (int s = 0; s < N; ++s) acc[s] = v16{};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
+  for (; i + kLanes <= n; i += kLanes) {
+    const v16 av = *reinterpret_cast<const v16*>(a + i);
+    for (int s = 0; s < N; ++s) acc[s] += av * *reinterpret_cast<const v16*>(b[s] + i);
+  }
+  for (int s = 0; s < N; ++s) {
+    float t[kLanes];
+    std::memcpy(t, &acc[s], sizeof t);
+    for (int l = 0; i + l < n; ++l) t[l] += a[i + l] * b[s][i + l];
+    for (int w = kLanes / 2; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) t[l] += t[l + w];
+    out[s] = t[0];
+  }
+}
+
+inline float dot_fixed(const float* a, const float* b, int64_t n) {
+  float out;
+  dots_fixed<1>(a, &b, n, &out);
+  return out;
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction x = n ln2 + r, a degree-6
@@ -61,33 +79,83 @@ struct Shape {
   int64_t B, T, H, Dh, S, K, Dv, G;
 };
 
+constexpr int kRows = 4;  // query rows sharing one kv head computed together: each K and V slot is read once for them
+
+// Query rows q[r] (r < n_rows, Dh floats each) over the slots [lo[r], hi[r]] of one kv head (k and v point
+// at slot 0; slots are kstride / vstride apart). Every row's arithmetic is the one-row algorithm, in its order:
+// dot (16 partial sums over Dh, fixed tree) * scale per visible slot, max, exp and their sum in slot order, the
+// weighted V sum in slot order from 0, times 1 / sum. Sharing the slot loads changes no row's result.
 FUCINA_CLONES
-void attend_row(const float* q, const float* k, const float* v, int64_t pos, float scale, int64_t window,
-                const Shape& s, float* scores, float* out) {
-  // k and v point at [S, K, D] of this batch row and kv head; slots are s.K * D apart.
-  const int64_t hi = std::min<int64_t>(pos, s.S - 1);
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-  for (int64_t d = 0; d < s.Dv; ++d) out[d] = 0.0f;
-  if (hi < lo) return;
-  float m = -INFINITY;
-  for (int64_t j = lo; j <= hi; ++j) {
-    const float sc = dot_fixed(q, k + j * s.K * s.Dh, s.Dh) * scale;
-    scores[j - lo] = sc;
-    m = std::max(m, sc);
+void attend_block(const float* const* q, float* const* out, int n_rows, const int64_t* lo, const int64_t* hi,
+                  const float* k, int64_t kstride, const float* v, int64_t vstride, int64_t Dh, int64_t Dv,
+                  float scale, float* scores, int64_t sstride) {
+  int64_t ulo = INT64_MAX, uhi = -1;
+  for (int r = 0; r < n_rows; ++r) {
+    for (int64_t d = 0; d < Dv; ++d) out[r][d] = 0.0f;
+    if (hi[r] >= lo[r]) ulo = std::min(ulo, lo[r]), uhi = std::max(uhi, hi[r]);
   }
-  float l = 0.0f;
-  for (int64_t j = lo; j <= hi; ++j) {
-    const float e = exp_neg(scores[j - lo] - m);
-    scores[j - lo] = e;
-    l += e;
+  if (uhi < ulo) return;
+  // Scores of every row over the union of the visible ranges (a slot a row cannot see is computed and ignored).
+  const int64_t nv = Dh / kLanes * kLanes;
+  for (int64_t j = ulo; j <= uhi; ++j) {
+    const float* kj = k + j * kstride;
+    v16 acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = v16{};
+    for (int64_t i = 0; i < nv; i += kLanes) {
+      const v16 kv = *reinterpret_cast<const v16*>(kj + i);
+      for (int r = 0; r < kRows; ++r)
+        if (r < n_rows) acc[r] += *reinterpret_cast<const v16*>(q[r] + i) * kv;
+    }
+    for (int r = 0; r < n_rows; ++r) {
+      float t[kLanes];
+      std::memcpy(t, &acc[r], sizeof t);
+      for (int l = 0; nv + l < Dh; ++l) t[l] += q[r][nv + l] * kj[nv + l];
+      for (int w = kLanes / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) t[l] += t[l + w];
+      scores[r * sstride + j - ulo] = t[0] * scale;
+    }
   }
-  for (int64_t j = lo; j <= hi; ++j) {
-    const float e = scores[j - lo];
-    const float* vj = v + j * s.K * s.Dv;
-    for (int64_t d = 0; d < s.Dv; ++d) out[d] += e * vj[d];
+  float inv[kRows];
+  for (int r = 0; r < n_rows; ++r) {
+    float* sc = scores + r * sstride - ulo;
+    float m = -INFINITY;
+    for (int64_t j = lo[r]; j <= hi[r]; ++j) m = std::max(m, sc[j]);
+    float l = 0.0f;
+    for (int64_t j = lo[r]; j <= hi[r]; ++j) {
+      sc[j] = exp_neg(sc[j] - m);
+      l += sc[j];
+    }
+    inv[r] = 1.0f / l;
   }
-  const float inv = 1.0f / l;
-  for (int64_t d = 0; d < s.Dv; ++d) out[d] *= inv;
+  // out[r][d] = sum over the row's slots, in slot order, of e_j * v_j[d]; 64 dims x the rows stay in registers.
+  constexpr int kDb = 64, kC = kDb / kLanes;
+  const int64_t ndv = Dv / kDb * kDb;
+  for (int64_t d0 = 0; d0 < ndv; d0 += kDb) {
+    v16 acc[kRows][kC];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kC; ++c) acc[r][c] = v16{};
+    for (int64_t j = ulo; j <= uhi; ++j) {
+      const float* vj = v + j * vstride + d0;
+      v16 vv[kC];
+      for (int c = 0; c < kC; ++c) vv[c] = *reinterpret_cast<const v16*>(vj + c * kLanes);
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= n_rows || j < lo[r] || j > hi[r]) continue;
+        const v16 e = v16{} + scores[r * sstride + j - ulo];
+        for (int c = 0; c < kC; ++c) acc[r][c] += e * vv[c];
+      }
+    }
+    for (int r = 0; r < n_rows; ++r) std::memcpy(out[r] + d0, acc[r], sizeof acc[r]);
+  }
+  for (int r = 0; r < n_rows; ++r) {
+    if (hi[r] < lo[r]) continue;
+    float* o = out[r];
+    for (int64_t j = lo[r]; j <= hi[r]; ++j) {
+      const float e = scores[r * sstride + j - ulo];
+      const float* vj = v + j * vstride;
+      for (int64_t d = ndv; d < Dv; ++d) o[d] += e * vj[d];
+    }
+    for (int64_t d = 0; d < Dv; ++d) o[d] *= inv[r];
+  }
 }
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -106,24 +174,38 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const float* vp = v.typed_data();
   const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
-  const int64_t rows = s.B * s.T * s.H;
-  auto run = [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(static_cast<size_t>(s.S));
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t h = r % s.H, t = (r / s.H) % s.T, b = r / (s.H * s.T);
-      const int64_t kh = h / s.G;
-      attend_row(qp + r * s.Dh, kp + (b * s.S * s.K + kh) * s.Dh, vp + (b * s.S * s.K + kh) * s.Dv,
-                 pp[b * s.T + t], scale, window, s, scores.data(), op + r * s.Dv);
+  // Work items: (batch row, kv head, block of kRows of its T * G query rows).
+  const int64_t per_head = s.T * s.G, blocks = (per_head + kRows - 1) / kRows, items = s.B * s.K * blocks;
+  auto run = [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(static_cast<size_t>(kRows * s.S));
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t blk = it % blocks, kh = (it / blocks) % s.K, b = it / (blocks * s.K);
+      const int64_t first = blk * kRows;
+      const int n_rows = static_cast<int>(std::min<int64_t>(kRows, per_head - first));
+      int64_t lo[kRows], hi[kRows];
+      // Query row (t, g) of kv head kh is head h = kh * G + g.
+      const float* qrow[kRows];
+      float* orow[kRows];
+      for (int r = 0; r < n_rows; ++r) {
+        const int64_t tg = first + r, t = tg / s.G, g = tg % s.G, h = kh * s.G + g;
+        const int64_t p = pp[b * s.T + t];
+        hi[r] = std::min<int64_t>(p, s.S - 1);
+        lo[r] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+        qrow[r] = qp + ((b * s.T + t) * s.H + h) * s.Dh;
+        orow[r] = op + ((b * s.T + t) * s.H + h) * s.Dv;
+      }
+      attend_block(qrow, orow, n_rows, lo, hi, kp + (b * s.S * s.K + kh) * s.Dh, s.K * s.Dh,
+                   vp + (b * s.S * s.K + kh) * s.Dv, s.K * s.Dv, s.Dh, s.Dv, scale, scores.data(), s.S);
     }
   };
   // Waking a pool thread costs more than a short decode row's work: small calls stay on this thread.
   int64_t span = 0;
   for (int64_t i = 0; i < s.B * s.T; ++i) span = std::max<int64_t>(span, std::min<int64_t>(pp[i] + 1, s.S));
   if (window > 0) span = std::min(span, window);
-  if (rows * span * (s.Dh + s.Dv) < (1 << 18)) {
-    run(0, rows);
+  if (s.B * s.T * s.H * span * (s.Dh + s.Dv) < (1 << 18) || items == 1) {
+    run(0, items);
   } else {
-    fucina::parallel_for(pool, rows, run);
+    fucina::parallel_for(pool, items, run, 2);
   }
   return ffi::Error::Success();
 }

@@ -52,52 +52,102 @@ typedef int32_t i32u __attribute__((aligned(1), may_alias));
 // Activations
 // ------------------------------------------------------------------------------------------------------------------
 
+// Block-major ([block][row]) so the rows of one block, which a column group's pass reads together, are adjacent.
 struct Act {
   int64_t M = 0, K = 0, nb = 0;
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> d;      // [M, nb]
-  std::vector<int32_t> s16;  // [M, 2 * nb]: sum of xq over each half-block of 16
+  std::vector<int8_t> q;     // [nb, M, 32]
+  std::vector<float> d;      // [nb, M]
+  std::vector<int32_t> s16;  // [nb, M, 2]: sum of xq over each half-block of 16
+  std::vector<int32_t> corr;  // [nb, M, nsub]: per sub-block, 128 * S (symmetric) or the bits of float(S) (affine)
 
+  const int8_t* xq(int64_t r, int64_t b) const { return q.data() + (b * M + r) * kQB; }
+  float dx(int64_t r, int64_t b) const { return d[b * M + r]; }
   int32_t sum(int64_t r, int64_t b, int j, int nsub) const {
-    const int32_t* s = s16.data() + r * 2 * nb + 2 * b;
+    const int32_t* s = s16.data() + (b * M + r) * 2;
     return nsub == 2 ? s[j] : s[0] + s[1];
+  }
+  void make_corr(int nsub, bool affine) {
+    corr.resize(M * nb * nsub);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t r = 0; r < M; ++r)
+        for (int j = 0; j < nsub; ++j) {
+          const int32_t S = sum(r, b, j, nsub);
+          int32_t v = 128 * S;
+          if (affine) {
+            const float f = static_cast<float>(S);
+            std::memcpy(&v, &f, 4);
+          }
+          corr[(b * M + r) * nsub + j] = v;
+        }
   }
 };
 
-// Row quantization is scalar on purpose: it is O(M K) against the matmul's O(M K N), and IEEE division, product
-// and round-to-nearest-even give the same bits on every machine. A non-finite value poisons its block (dx = NaN), so
-// NaN/inf inputs give NaN outputs as the f32 path would, never a silent garbage integer.
-void quantize_rows(const float* x, Act& a) {
-  for (int64_t r = 0; r < a.M; ++r) {
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const float* xb = x + r * a.K + b * kQB;
-      int8_t* qb = a.q.data() + r * a.K + b * kQB;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int i = 0; i < kQB; ++i) {
-        finite &= std::isfinite(xb[i]);
-        amax = std::max(amax, std::fabs(xb[i]));
-      }
-      int32_t s0 = 0, s1 = 0;
-      float d = amax / 127.0f;
-      if (!finite) {
-        d = NAN;
-        std::memset(qb, 0, kQB);
-      } else {
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        for (int i = 0; i < kQB; ++i) {
-          float v = std::nearbyint(xb[i] * id);
-          v = std::min(127.0f, std::max(-127.0f, v));
-          qb[i] = static_cast<int8_t>(v);
-          (i < 16 ? s0 : s1) += static_cast<int32_t>(v);
-        }
-      }
-      // The scale is kept as fp16, as ggml's q8_0 blocks store it (after rounding x with the f32 one).
-      a.d[r * a.nb + b] = static_cast<float>(static_cast<_Float16>(d));
-      a.s16[r * 2 * a.nb + 2 * b] = s0;
-      a.s16[r * 2 * a.nb + 2 * b + 1] = s1;
+// One 32-block like ggml's q8_0: d = max|x| / 127, xq = round(x / d) to nearest even (through the f32 reciprocal, as
+// ggml does), clamped to +-127; the block keeps dx = fp16(d) and the sums of xq over each half. Every step is an
+// exact IEEE operation (max, one division, products, round-to-nearest-even, integer sums), so the AVX-512 version
+// below gives the same bits as this one. A non-finite value poisons its block (dx = NaN, xq = 0), so NaN/inf inputs
+// give NaN outputs as the f32 path would, never a silent garbage integer.
+void quantize_block_scalar(const float* xb, int8_t* qb, float* dx, int32_t* s) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < kQB; ++i) {
+    finite &= std::isfinite(xb[i]);
+    amax = std::max(amax, std::fabs(xb[i]));
+  }
+  int32_t s0 = 0, s1 = 0;
+  float d = amax / 127.0f;
+  if (!finite) {
+    d = NAN;
+    std::memset(qb, 0, kQB);
+  } else {
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < kQB; ++i) {
+      float v = std::nearbyint(xb[i] * id);
+      v = std::min(127.0f, std::max(-127.0f, v));
+      qb[i] = static_cast<int8_t>(v);
+      (i < 16 ? s0 : s1) += static_cast<int32_t>(v);
     }
   }
+  *dx = static_cast<float>(static_cast<_Float16>(d));  // kept as fp16, as ggml's q8_0 blocks store it
+  s[0] = s0;
+  s[1] = s1;
+}
+
+__attribute__((target("avx512f,avx512bw"))) void quantize_block_avx512(const float* xb, int8_t* qb, float* dx,
+                                                                       int32_t* s) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  // a < inf is false for inf and NaN
+  const bool finite = (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) == 0xFFFF;
+  if (!finite) {
+    quantize_block_scalar(xb, qb, dx, s);
+    return;
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+  const float d = amax / 127.0f;
+  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 v0 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(x0, id), kRne)));
+  const __m512 v1 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(x1, id), kRne)));
+  const __m512i i0 = _mm512_cvtps_epi32(v0), i1 = _mm512_cvtps_epi32(v1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(i0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(i1));
+  *dx = static_cast<float>(static_cast<_Float16>(d));
+  s[0] = _mm512_reduce_add_epi32(i0);
+  s[1] = _mm512_reduce_add_epi32(i1);
+}
+
+void quantize_rows(const float* x, Act& a, bool avx512) {
+  for (int64_t r = 0; r < a.M; ++r)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float* xb = x + r * a.K + b * kQB;
+      int8_t* qb = a.q.data() + (b * a.M + r) * kQB;
+      float* dx = a.d.data() + b * a.M + r;
+      int32_t* s = a.s16.data() + (b * a.M + r) * 2;
+      avx512 ? quantize_block_avx512(xb, qb, dx, s) : quantize_block_scalar(xb, qb, dx, s);
+    }
 }
 
 struct Weights {
@@ -110,6 +160,8 @@ struct Weights {
 
 // Computes out[r, g*16 .. g*16+15] for rows [r0, r1) of one column group.
 using GroupFn = void (*)(const Weights&, int64_t g, const Act&, int64_t r0, int64_t r1, float* out, int64_t ldo);
+// Computes every row of the column groups [g0, g1).
+using GroupsFn = void (*)(const Weights&, int64_t g0, int64_t g1, const Act&, float* out, int64_t ldo);
 
 // ------------------------------------------------------------------------------------------------------------------
 // Scalar (portable reference of the float sequence)
@@ -122,17 +174,17 @@ void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
   const float* wc = w.c ? w.c + g * ns * kLanes : nullptr;
   const int cps = 8 / w.nsub;  // 4-value chunks per sub-block
   for (int64_t r = r0; r < r1; ++r) {
-    const int8_t* xr = x.q.data() + r * x.K;
     for (int l = 0; l < kLanes; ++l) {
       float acc = 0.0f;
       for (int64_t b = 0; b < w.nb; ++b) {
         const uint8_t* wb = wq + b * kGroupBlockBytes;
-        const float dx = x.d[r * x.nb + b];
+        const float dx = x.dx(r, b);
+        const int8_t* xb = x.xq(r, b);
         for (int j = 0; j < w.nsub; ++j) {
           int32_t I = 0;
           for (int ci = j * cps; ci < (j + 1) * cps; ++ci)
             for (int e = 0; e < 4; ++e)
-              I += static_cast<int32_t>(wb[(ci * kLanes + l) * 4 + e]) * xr[b * kQB + ci * 4 + e];
+              I += static_cast<int32_t>(wb[(ci * kLanes + l) * 4 + e]) * xb[ci * 4 + e];
           const int32_t S = x.sum(r, b, j, w.nsub);
           const int64_t si = (b * w.nsub + j) * kLanes + l;
           if (wc) {
@@ -172,7 +224,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Weights& w, int64_t g, 
         const int64_t si = (b * w.nsub + j) * kLanes + 8 * h;
         const __m256 a = _mm256_loadu_ps(wa + si);
         for (int r = 0; r < R; ++r) {
-          const int8_t* xb = x.q.data() + (r0 + r) * x.K + b * kQB;
+          const int8_t* xb = x.xq(r0 + r, b);
           __m256i I = _mm256_setzero_si256();
           for (int ci = j * cps; ci < (j + 1) * cps; ++ci) {
             const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ci * 64));
@@ -185,7 +237,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Weights& w, int64_t g, 
             const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xv), ones);
             I = _mm256_add_epi32(I, _mm256_add_epi32(plo, _mm256_slli_epi32(phi, 4)));
           }
-          const float dx = x.d[(r0 + r) * x.nb + b];
+          const float dx = x.dx(r0 + r, b);
           const int32_t S = x.sum(r0 + r, b, j, w.nsub);
           const __m256 s = _mm256_mul_ps(_mm256_set1_ps(dx), a);
           if (wc) {
@@ -221,7 +273,7 @@ void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r
 template <int R, int NSUB, bool AFFINE>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(const Weights& w, int64_t g, const Act& x,
                                                                              int64_t r0, float* out, int64_t ldo) {
-  const uint8_t* wq = w.q + g * w.nb * kGroupBlockBytes;
+  const uint8_t* wb = w.q + g * w.nb * kGroupBlockBytes;
   const int64_t ns = w.nb * NSUB;
   const float* wa = w.a + g * ns * kLanes;
   const float* wc = AFFINE ? w.c + g * ns * kLanes : nullptr;
@@ -229,9 +281,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* xq = x.q.data() + r0 * x.K;
-  for (int64_t b = 0; b < w.nb; ++b) {
-    const uint8_t* wb = wq + b * kGroupBlockBytes;
+  // The R rows of a block are adjacent (Act is block-major): constant offsets from three pointers bumped per block.
+  const int8_t* xb = x.xq(r0, 0);
+  const float* dxb = x.d.data() + r0;
+  const int32_t* cb = x.corr.data() + r0 * NSUB;
+  const int64_t xstep = x.M * kQB, dstep = x.M, cstep = x.M * NSUB;
+  for (int64_t b = 0; b < w.nb; ++b, wb += kGroupBlockBytes, xb += xstep, dxb += dstep, cb += cstep) {
     __m512i wv[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) wv[i] = _mm512_loadu_si512(wb + 64 * i);
@@ -239,26 +294,27 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
     for (int j = 0; j < NSUB; ++j) {
       const int64_t si = (b * NSUB + j) * kLanes;
       const __m512 a = _mm512_loadu_ps(wa + si);
+      const __m512 c = AFFINE ? _mm512_loadu_ps(wc + si) : _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const int8_t* xb = xq + r * x.K + b * kQB;
         // Two accumulators halve the vpdpbusd dependency chain; integer sums are exact in any order.
         __m512i I0 = _mm512_setzero_si512(), I1 = _mm512_setzero_si512();
-        const i32u* x4 = reinterpret_cast<const i32u*>(xb + j * cps * 4);
+        const i32u* x4 = reinterpret_cast<const i32u*>(xb + r * kQB + j * cps * 4);
 #pragma GCC unroll 8
         for (int i = 0; i < cps; i += 2) {
           I0 = _mm512_dpbusd_epi32(I0, wv[j * cps + i], _mm512_set1_epi32(x4[i]));
           I1 = _mm512_dpbusd_epi32(I1, wv[j * cps + i + 1], _mm512_set1_epi32(x4[i + 1]));
         }
         __m512i I = _mm512_add_epi32(I0, I1);
-        const __m512 dx = _mm512_set1_ps(x.d[(r0 + r) * x.nb + b]);
-        const int32_t S = x.sum(r0 + r, b, j, NSUB);
+        const __m512 dx = _mm512_set1_ps(dxb[r]);
+        const int32_t corr = cb[r * NSUB + j];
         if (AFFINE) {
+          float S;
+          std::memcpy(&S, &corr, 4);
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, a), _mm512_cvtepi32_ps(I), acc[r]);
-          const __m512 sc = _mm512_mul_ps(dx, _mm512_loadu_ps(wc + si));
-          acc[r] = _mm512_fmadd_ps(sc, _mm512_set1_ps(static_cast<float>(S)), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, c), _mm512_set1_ps(S), acc[r]);
         } else {
-          I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * S));
+          I = _mm512_sub_epi32(I, _mm512_set1_epi32(corr));
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, a), _mm512_cvtepi32_ps(I), acc[r]);
         }
       }
@@ -284,12 +340,95 @@ void group_avx512_t(const Weights& w, int64_t g, const Act& x, int64_t r0, int64
   }
 }
 
-void group_avx512(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
-  if (w.nsub == 1) {
-    w.c ? group_avx512_t<1, true>(w, g, x, r0, r1, out, ldo) : group_avx512_t<1, false>(w, g, x, r0, r1, out, ldo);
-  } else {
-    w.c ? group_avx512_t<2, true>(w, g, x, r0, r1, out, ldo) : group_avx512_t<2, false>(w, g, x, r0, r1, out, ldo);
+// Two column groups per pass: each activation broadcast feeds both groups' vpdpbusd, the 16 weight vectors of a
+// 32-block stay in registers for up to 4 rows, and a symmetric sub-block's integer chain starts at -128 * S (the
+// same exact integer as I - 128 * S) to save the subtraction. The float steps per column are those of rows_avx512.
+template <int R, int NSUB, bool AFFINE>
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows2_avx512(const Weights& w, int64_t g,
+                                                                              const Act& x, int64_t r0, float* out,
+                                                                              int64_t ldo) {
+  constexpr int cps = 8 / NSUB;
+  const int64_t gstride = w.nb * kGroupBlockBytes, ns = w.nb * NSUB, sstride = ns * kLanes;
+  const uint8_t* wb = w.q + g * gstride;
+  const float* wa = w.a + g * sstride;
+  const float* wc = AFFINE ? w.c + g * sstride : nullptr;
+  __m512 acc0[R], acc1[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const int8_t* xb = x.xq(r0, 0);
+  const float* dxb = x.d.data() + r0;
+  const int32_t* cb = x.corr.data() + r0 * NSUB;
+  const int64_t xstep = x.M * kQB, dstep = x.M, cstep = x.M * NSUB;
+  for (int64_t b = 0; b < w.nb; ++b, wb += kGroupBlockBytes, xb += xstep, dxb += dstep, cb += cstep) {
+    __m512i w0[8], w1[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      w0[i] = _mm512_loadu_si512(wb + 64 * i);
+      w1[i] = _mm512_loadu_si512(wb + gstride + 64 * i);
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < NSUB; ++j) {
+      const int64_t si = (b * NSUB + j) * kLanes;
+      const __m512 a0 = _mm512_loadu_ps(wa + si), a1 = _mm512_loadu_ps(wa + sstride + si);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int32_t corr = cb[r * NSUB + j];
+        const __m512i start = AFFINE ? _mm512_setzero_si512() : _mm512_set1_epi32(-corr);
+        __m512i I0 = start, I1 = start;
+        const i32u* x4 = reinterpret_cast<const i32u*>(xb + r * kQB + j * cps * 4);
+#pragma GCC unroll 8
+        for (int i = 0; i < cps; ++i) {
+          const __m512i xv = _mm512_set1_epi32(x4[i]);
+          I0 = _mm512_dpbusd_epi32(I0, w0[j * cps + i], xv);
+          I1 = _mm512_dpbusd_epi32(I1, w1[j * cps + i], xv);
+        }
+        const __m512 dx = _mm512_set1_ps(dxb[r]);
+        acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, a0), _mm512_cvtepi32_ps(I0), acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, a1), _mm512_cvtepi32_ps(I1), acc1[r]);
+        if (AFFINE) {
+          float S;
+          std::memcpy(&S, &corr, 4);
+          const __m512 sv = _mm512_set1_ps(S);
+          acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, _mm512_loadu_ps(wc + si)), sv, acc0[r]);
+          acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, _mm512_loadu_ps(wc + sstride + si)), sv, acc1[r]);
+        }
+      }
+    }
   }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + (r0 + r) * ldo + g * kLanes, acc0[r]);
+    _mm512_storeu_ps(out + (r0 + r) * ldo + (g + 1) * kLanes, acc1[r]);
+  }
+}
+
+template <int NSUB, bool AFFINE>
+void groups_avx512_t(const Weights& w, int64_t g0, int64_t g1, const Act& x, float* out, int64_t ldo) {
+  int64_t g = g0;
+  for (; g + 2 <= g1; g += 2) {
+    for (int64_t r = 0; r < x.M;) {
+      switch (std::min<int64_t>(x.M - r, 4)) {
+        case 4: rows2_avx512<4, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 4; break;
+        case 3: rows2_avx512<3, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 3; break;
+        case 2: rows2_avx512<2, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 2; break;
+        default: rows2_avx512<1, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 1; break;
+      }
+    }
+  }
+  if (g < g1) group_avx512_t<NSUB, AFFINE>(w, g, x, 0, x.M, out, ldo);
+}
+
+void groups_avx512(const Weights& w, int64_t g0, int64_t g1, const Act& x, float* out, int64_t ldo) {
+  if (w.nsub == 1) {
+    w.c ? groups_avx512_t<1, true>(w, g0, g1, x, out, ldo) : groups_avx512_t<1, false>(w, g0, g1, x, out, ldo);
+  } else {
+    w.c ? groups_avx512_t<2, true>(w, g0, g1, x, out, ldo) : groups_avx512_t<2, false>(w, g0, g1, x, out, ldo);
+  }
+}
+
+template <GroupFn F>
+void groups_each(const Weights& w, int64_t g0, int64_t g1, const Act& x, float* out, int64_t ldo) {
+  for (int64_t g = g0; g < g1; ++g) F(w, g, x, 0, x.M, out, ldo);
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -298,7 +437,7 @@ void group_avx512(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
 
 struct Isa {
   const char* name;
-  GroupFn fn;
+  GroupsFn fn;
   bool (*supported)();
 };
 
@@ -313,7 +452,9 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 }
 
-const Isa kIsas[] = {{"avx512", group_avx512, has_avx512}, {"avx2", group_avx2, has_avx2}, {"scalar", group_scalar, has_scalar}};
+const Isa kIsas[] = {{"avx512", groups_avx512, has_avx512},
+                     {"avx2", groups_each<group_avx2>, has_avx2},
+                     {"scalar", groups_each<group_scalar>, has_scalar}};
 
 std::atomic<int> g_isa{-1};
 
@@ -365,12 +506,15 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   act.q.resize(M * K);
   act.d.resize(M * nb);
   act.s16.resize(M * 2 * nb);
-  quantize_rows(x.typed_data(), act);
-  const GroupFn fn = kIsas[current_isa()].fn;
+  const int isa = current_isa();
+  quantize_rows(x.typed_data(), act, isa == 0);
+  act.make_corr(static_cast<int>(nsub), wc.element_count() != 0);
+  const GroupsFn fn = kIsas[isa].fn;
   float* out = y->typed_data();
-  // Column groups in parallel; a group is never split, so results do not depend on the split.
-  fucina::parallel_for(pool, G, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) fn(w, g, act, 0, M, out, N);
+  // Pairs of column groups in parallel (the AVX-512 kernel does two at a time); no column's arithmetic depends on
+  // the split.
+  fucina::parallel_for(pool, (G + 1) / 2, [&](int64_t p0, int64_t p1) {
+    fn(w, 2 * p0, std::min(G, 2 * p1), act, out, N);
   });
   return ffi::Error::Success();
 }
