@@ -340,89 +340,11 @@ void group_avx512_t(const Weights& w, int64_t g, const Act& x, int64_t r0, int64
   }
 }
 
-// Two column groups per pass: each activation broadcast feeds both groups' vpdpbusd, the 16 weight vectors of a
-// 32-block stay in registers for up to 4 rows, and a symmetric sub-block's integer chain starts at -128 * S (the
-// same exact integer as I - 128 * S) to save the subtraction. The float steps per column are those of rows_avx512.
-template <int R, int NSUB, bool AFFINE>
-__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows2_avx512(const Weights& w, int64_t g,
-                                                                              const Act& x, int64_t r0, float* out,
-                                                                              int64_t ldo) {
-  constexpr int cps = 8 / NSUB;
-  const int64_t gstride = w.nb * kGroupBlockBytes, ns = w.nb * NSUB, sstride = ns * kLanes;
-  const uint8_t* wb = w.q + g * gstride;
-  const float* wa = w.a + g * sstride;
-  const float* wc = AFFINE ? w.c + g * sstride : nullptr;
-  __m512 acc0[R], acc1[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  const int8_t* xb = x.xq(r0, 0);
-  const float* dxb = x.d.data() + r0;
-  const int32_t* cb = x.corr.data() + r0 * NSUB;
-  const int64_t xstep = x.M * kQB, dstep = x.M, cstep = x.M * NSUB;
-  for (int64_t b = 0; b < w.nb; ++b, wb += kGroupBlockBytes, xb += xstep, dxb += dstep, cb += cstep) {
-    __m512i w0[8], w1[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      w0[i] = _mm512_loadu_si512(wb + 64 * i);
-      w1[i] = _mm512_loadu_si512(wb + gstride + 64 * i);
-    }
-#pragma GCC unroll 2
-    for (int j = 0; j < NSUB; ++j) {
-      const int64_t si = (b * NSUB + j) * kLanes;
-      const __m512 a0 = _mm512_loadu_ps(wa + si), a1 = _mm512_loadu_ps(wa + sstride + si);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int32_t corr = cb[r * NSUB + j];
-        const __m512i start = AFFINE ? _mm512_setzero_si512() : _mm512_set1_epi32(-corr);
-        __m512i I0 = start, I1 = start;
-        const i32u* x4 = reinterpret_cast<const i32u*>(xb + r * kQB + j * cps * 4);
-#pragma GCC unroll 8
-        for (int i = 0; i < cps; ++i) {
-          const __m512i xv = _mm512_set1_epi32(x4[i]);
-          I0 = _mm512_dpbusd_epi32(I0, w0[j * cps + i], xv);
-          I1 = _mm512_dpbusd_epi32(I1, w1[j * cps + i], xv);
-        }
-        const __m512 dx = _mm512_set1_ps(dxb[r]);
-        acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, a0), _mm512_cvtepi32_ps(I0), acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, a1), _mm512_cvtepi32_ps(I1), acc1[r]);
-        if (AFFINE) {
-          float S;
-          std::memcpy(&S, &corr, 4);
-          const __m512 sv = _mm512_set1_ps(S);
-          acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, _mm512_loadu_ps(wc + si)), sv, acc0[r]);
-          acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, _mm512_loadu_ps(wc + sstride + si)), sv, acc1[r]);
-        }
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + (r0 + r) * ldo + g * kLanes, acc0[r]);
-    _mm512_storeu_ps(out + (r0 + r) * ldo + (g + 1) * kLanes, acc1[r]);
-  }
-}
-
-template <int NSUB, bool AFFINE>
-void groups_avx512_t(const Weights& w, int64_t g0, int64_t g1, const Act& x, float* out, int64_t ldo) {
-  int64_t g = g0;
-  for (; g + 2 <= g1; g += 2) {
-    for (int64_t r = 0; r < x.M;) {
-      switch (std::min<int64_t>(x.M - r, 4)) {
-        case 4: rows2_avx512<4, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 4; break;
-        case 3: rows2_avx512<3, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 3; break;
-        case 2: rows2_avx512<2, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 2; break;
-        default: rows2_avx512<1, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 1; break;
-      }
-    }
-  }
-  if (g < g1) group_avx512_t<NSUB, AFFINE>(w, g, x, 0, x.M, out, ldo);
-}
-
-void groups_avx512(const Weights& w, int64_t g0, int64_t g1, const Act& x, float* out, int64_t ldo) {
+void group_avx512(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
   if (w.nsub == 1) {
-    w.c ? groups_avx512_t<1, true>(w, g0, g1, x, out, ldo) : groups_avx512_t<1, false>(w, g0, g1, x, out, ldo);
+    w.c ? group_avx512_t<1, true>(w, g, x, r0, r1, out, ldo) : group_avx512_t<1, false>(w, g, x, r0, r1, out, ldo);
   } else {
-    w.c ? groups_avx512_t<2, true>(w, g0, g1, x, out, ldo) : groups_avx512_t<2, false>(w, g0, g1, x, out, ldo);
+    w.c ? group_avx512_t<2, true>(w, g, x, r0, r1, out, ldo) : group_avx512_t<2, false>(w, g, x, r0, r1, out, ldo);
   }
 }
 
@@ -452,7 +374,7 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 }
 
-const Isa kIsas[] = {{"avx512", groups_avx512, has_avx512},
+const Isa kIsas[] = {{"avx512", groups_each<group_avx512>, has_avx512},
                      {"avx2", groups_each<group_avx2>, has_avx2},
                      {"scalar", groups_each<group_scalar>, has_scalar}};
 
@@ -511,11 +433,10 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   act.make_corr(static_cast<int>(nsub), wc.element_count() != 0);
   const GroupsFn fn = kIsas[isa].fn;
   float* out = y->typed_data();
-  // Pairs of column groups in parallel (the AVX-512 kernel does two at a time); no column's arithmetic depends on
-  // the split.
-  fucina::parallel_for(pool, (G + 1) / 2, [&](int64_t p0, int64_t p1) {
-    fn(w, 2 * p0, std::min(G, 2 * p1), act, out, N);
-  });
+  // Column groups in parallel; a group is never split, so results do not depend on the split. (Two groups per pass,
+  // sharing the activation broadcasts, was faster on cache-resident weights but slower on weights streamed from
+  // memory, which is the case that matters: docs/performance.md.)
+  fucina::parallel_for(pool, G, [&](int64_t g0, int64_t g1) { fn(w, g0, g1, act, out, N); });
   return ffi::Error::Success();
 }
 
