@@ -37,7 +37,7 @@ setup(
         ),
         Extension(
             "fucina_jax.kernels._qmatmul",
-            sources=["fucina_jax/kernels/qmatmul.cc", "fucina_jax/kernels/attention.cc"],
+            sources=["fucina_jax/kernels/qmatmul.cc", "fucina_jax/kernels/attention.cc", "fucina_jax/kernels/select.cc"],
             depends=["fucina_jax/kernels/parallel.h"],
             extra_compile_args=_CXXFLAGS + ["-isystem", _ffi_include()],  # system: no warnings from XLA's headers
             language="c++",

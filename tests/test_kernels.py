@@ -304,3 +304,52 @@ def test_residual_norm_kernel_matches_the_xla_layers():
         want = L.residual_norm(h, a, w_post, w2, 1e-6)
         for g, x in zip(got, want):
             np.testing.assert_allclose(g, x, atol=2e-6)
+
+
+def _selection_rows(rng, kind: int, R: int, V: int) -> np.ndarray:
+    """Rows that stress an order: Gaussian, many ties, and the special values (+-0.0, +-inf, +-NaN) mixed in."""
+    if kind == 0:
+        return rng.standard_normal((R, V)).astype(np.float32)
+    if kind == 1:
+        return rng.integers(-3, 4, (R, V)).astype(np.float32)
+    special = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, -np.nan, 2.5], np.float32)
+    x = rng.choice(special, (R, V))
+    return np.where(rng.random((R, V)) < 0.7, rng.standard_normal((R, V)).astype(np.float32), x).astype(np.float32)
+
+
+def test_top_k_kernel_equals_lax_top_k():
+    """Same values (bitwise) and ids as XLA's TopK, whose order is a total order on the float bits with ties by
+    lower index: including ties, signed zeros, infinities and NaNs of either sign."""
+    rng = np.random.default_rng(0)
+    top_k = jax.jit(kernels.top_k, static_argnums=1)
+    shapes = [(3, 2999, 1), (3, 2999, 7), (2, 4099, 64), (1, 16, 16), (2, 17, 5), (4, 33, 32)]
+    for trial in range(180):
+        R, V, k = shapes[trial % len(shapes)]
+        x = jnp.asarray(_selection_rows(rng, trial % 3, R, V))
+        want_v, want_i = jax.lax.top_k(x, k)
+        got_v, got_i = top_k(x, k)
+        assert np.array_equal(np.asarray(got_i), np.asarray(want_i)), (trial, R, V, k)
+        assert np.array_equal(np.asarray(got_v).view(np.uint32), np.asarray(want_v).view(np.uint32)), (trial, R, V, k)
+    with pytest.raises(ValueError, match="k = 0"):
+        kernels.top_k(jnp.zeros((2, 8)), 0)
+
+
+def test_argmax_kernel_is_the_first_maximum():
+    """The lowest index of the maximum (+0.0 == -0.0), against XLA's max + min-index on NaN-free rows; NaNs are
+    skipped (a row of NaNs gives V - 1)."""
+    rng = np.random.default_rng(1)
+    argmax = jax.jit(kernels.argmax)
+    shapes = [(3, 2999), (1, 16), (2, 17), (4, 4099)]
+    for trial in range(120):
+        R, V = shapes[trial % len(shapes)]
+        x = _selection_rows(rng, trial % 3, R, V)
+        got = np.asarray(argmax(jnp.asarray(x)))
+        finite = np.where(np.isnan(x), -np.inf, x)
+        want = np.array([np.flatnonzero(row == row.max())[0] if not np.isnan(r).all() else V - 1
+                         for row, r in zip(finite, x)])
+        assert np.array_equal(got, want), trial
+        clean = jnp.asarray(np.where(np.isnan(x), 0.0, x))
+        is_max = clean == jnp.max(clean, axis=-1, keepdims=True)
+        xla = jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+        assert np.array_equal(np.asarray(argmax(clean)), np.asarray(xla)), trial
+    assert int(argmax(jnp.full((1, 7), jnp.nan))[0]) == 6

@@ -21,14 +21,17 @@ import numpy as np
 
 from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, pack_tensor
 
-__all__ = ["PACKED_TYPES", "QWeight", "attention", "available", "concat_weights", "isa", "pack_weight", "packable",
-           "norm_rope", "qlinear", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows"]
+__all__ = ["PACKED_TYPES", "QWeight", "argmax", "attention", "available", "concat_weights", "isa", "pack_weight",
+           "packable", "norm_rope", "qlinear", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows",
+           "top_k"]
 
 TARGET = "fucina_qmatmul"
 ATTENTION_TARGET = "fucina_attention"
 RMS_NORM_TARGET = "fucina_rms_norm"
 NORM_ROPE_TARGET = "fucina_norm_rope"
 RESIDUAL_NORM_TARGET = "fucina_residual_norm"
+TOP_K_TARGET = "fucina_top_k"
+ARGMAX_TARGET = "fucina_argmax"
 _registered = False
 
 
@@ -191,3 +194,22 @@ def residual_norm(h: jax.Array, a: jax.Array, w_post: jax.Array | None, w_next: 
         h.astype(jnp.float32), a.astype(jnp.float32), _weight(w_post), _weight(w_next), eps=np.float32(eps),
         post=np.int64(post),
     )
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k(x, k) over the last axis, the same values and ids (XLA's total order on the float bits, ties by
+    lower index), in one pass per row instead of XLA's sort (select.cc)."""
+    _register()
+    lead, V = x.shape[:-1], x.shape[-1]
+    if not 1 <= k <= V:
+        raise ValueError(f"top_k: k = {k} must be in [1, {V}]")
+    vals, ids = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((*lead, k), jnp.float32),
+                                                jax.ShapeDtypeStruct((*lead, k), jnp.int32)))(
+        x.astype(jnp.float32), k=np.int64(k))
+    return vals, ids
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """The lowest index of each row's maximum over the last axis (int32); NaNs are skipped (V - 1 if all are NaN)."""
+    _register()
+    return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32))(x.astype(jnp.float32))

@@ -460,6 +460,8 @@ extern "C" XLA_FFI_Error* FucinaAttention(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaRmsNorm(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaNormRope(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaResidualNorm(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* FucinaTopK(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* FucinaArgmax(XLA_FFI_CallFrame* call_frame);
 
 // name -> the XLA FFI handler registered under "fucina_" + name (fucina_jax/kernels/__init__.py)
 static PyObject* py_handlers(PyObject*, PyObject*) {
@@ -469,6 +471,8 @@ static PyObject* py_handlers(PyObject*, PyObject*) {
       {"rms_norm", reinterpret_cast<void*>(&FucinaRmsNorm)},
       {"norm_rope", reinterpret_cast<void*>(&FucinaNormRope)},
       {"residual_norm", reinterpret_cast<void*>(&FucinaResidualNorm)},
+      {"top_k", reinterpret_cast<void*>(&FucinaTopK)},
+      {"argmax", reinterpret_cast<void*>(&FucinaArgmax)},
   };
   PyObject* out = PyDict_New();
   for (const auto& [name, fn] : handlers) {

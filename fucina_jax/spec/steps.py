@@ -64,5 +64,5 @@ def verify_sample_step(
     # Row i's token lands at stream position (input position + 1): the plain loop's position for the same prefix.
     sampled = sampling.sample_rows(logits, in_pos[0] + 1, history, drafts, sparams, cap=cap)
     # The recycling candidates come from the raw rows (before penalties), as the design record specifies.
-    topk = jax.lax.top_k(logits, min(TOPK_FEEDBACK, logits.shape[-1]))[1].astype(jnp.int32) if wants_topk else None
+    topk = sampling.top_k(logits, min(TOPK_FEEDBACK, logits.shape[-1]))[1].astype(jnp.int32) if wants_topk else None
     return sampled, (logits if with_logits else None), topk, cache
