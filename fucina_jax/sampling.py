@@ -74,6 +74,11 @@ __all__ = [
 # Incremented at trace time only: tests assert that new values / history / positions never recompile.
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
+# sample_rows works on all rows at once up to this many bytes of logits (8 rows of a 262k vocab), one row at a time
+# beyond: a few [R, V] temporaries past glibc's mmap threshold come back as fresh pages on every call, and the page
+# faults cost more than the sampling (measured: 12 ms instead of 2 ms for 8 rows at V = 262k).
+_BATCH_BYTES = 8 << 20
+
 # Candidates sorted when top-k is off. top_p 0.95 / min_p 0.05 leave far fewer on real LM rows; a row with more
 # survivors (e.g. top-k, top-p and min-p all off) costs a full sort: ~60 ms for a 262k vocab on one CPU core,
 # against ~1 ms for the top 1024.
@@ -312,13 +317,13 @@ def _cumsum_split(x: jax.Array, split: int) -> jax.Array:
     return jnp.concatenate([head, jnp.cumsum(x[:, split:], axis=-1) + head[:, -1:]], axis=-1)
 
 
-def _survivors(logits, vals, params: SamplerParams, split: int):
+def _survivors(row, V: int, vals, params: SamplerParams, split: int):
     """Top-k, top-p and min-p as a prefix length of the descending order.
 
-    vals [R, C] are the C largest of logits [R, V], descending. Returns n_keep [R] (survivors = the first n_keep)
-    and exact [R]: whether C entries were enough to decide (else the caller redoes the row with C = V).
+    vals [R, C] are the C largest of logits [R, V], descending; row() returns the logits [R, V] (called only where
+    top-p needs the whole row's normaliser, top-k off). Returns n_keep [R] (survivors = the first n_keep) and
+    exact [R]: whether C entries were enough to decide (else the caller redoes the row with C = V).
     """
-    V = logits.shape[-1]
     C = vals.shape[-1]
     j = jnp.arange(C, dtype=jnp.int32)[None, :]
 
@@ -337,7 +342,7 @@ def _survivors(logits, vals, params: SamplerParams, split: int):
     # With top-k off the normaliser is the whole row's: one pass over the vocab, skipped when not needed. Computed
     # the same way at every width, so the full-sort path reproduces the fast path's cut bit for bit.
     total = jax.lax.cond(whole_row & (params.top_p < 1.0),
-                         lambda: jnp.sum(jnp.exp(logits - mx), axis=-1), lambda: prefix_total)
+                         lambda: jnp.sum(jnp.exp(row() - mx), axis=-1), lambda: prefix_total)
     cum = _cumsum_split(e / total[:, None], split)
     reach = (cum >= params.top_p) & (j + 1 >= params.min_keep) & live0
     n1 = jnp.where(jnp.any(reach, axis=-1), jnp.argmax(reach, axis=-1) + 1, n0)
@@ -357,31 +362,40 @@ def _survivors(logits, vals, params: SamplerParams, split: int):
     return n, exact
 
 
-def _select(logits, params: SamplerParams, cap: int, finish):
-    """Sort the top `cap` candidates of one row (logits [1, V]), find the survivors and hand (vals, ids, n_keep) to
-    `finish`, whose result must not depend on the candidate width. A row the top `cap` cannot decide (top-k off and
-    more than `cap` survivors) is redone with a full sort: exact always, fast when filters leave <= cap tokens."""
-    V = logits.shape[-1]
+def _select(row, V: int, params: SamplerParams, cap: int, finish, top=None):
+    """Sort the top `cap` candidates of one row, find the survivors and hand (vals, ids, n_keep) to `finish`, whose
+    result must not depend on the candidate width. A row the top `cap` cannot decide (top-k off and more than `cap`
+    survivors) is redone with a full sort: exact always, fast when filters leave <= cap tokens.
+
+    row() returns the row's logits [1, V] with -0.0 made +0.0 (TopK orders -0.0 below +0.0, a total order on the
+    bits; they are equal logits, so they must be one value and the lower id wins, as for every other tie). `top`:
+    the row's top `cap` (vals, ids) when the caller computed them already; row() is then called only by the rare
+    paths that need the whole row."""
     split = min(cap, V)
-    # TopK orders -0.0 below +0.0 (a total order on the bits); they are equal logits, so make them one value
-    # and let the lower id win, as for every other tie.
-    logits = jnp.where(logits == 0.0, jnp.float32(0.0), logits)
 
     def run(c):
-        vals, ids = top_k(logits, c)
-        n, exact = _survivors(logits, vals, params, split)
+        vals, ids = top_k(row(), c)
+        n, exact = _survivors(row, V, vals, params, split)
         return vals, ids, n, exact
 
     if split >= V:
         vals, ids, n, _ = run(V)
         return finish(vals, ids, n, split)
-    vals, ids, n, exact = run(split)
+    if top is None:
+        vals, ids, n, exact = run(split)
+    else:
+        vals, ids = top
+        n, exact = _survivors(row, V, vals, params, split)
 
     def full():
         v, i, m, _ = run(V)
         return finish(v, i, m, split)
 
     return jax.lax.cond(jnp.all(exact), lambda: finish(vals, ids, n, split), full)
+
+
+def _zeros_equal(logits: jax.Array) -> jax.Array:
+    return jnp.where(logits == 0.0, jnp.float32(0.0), logits)
 
 
 def _kernels():
@@ -460,7 +474,7 @@ def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerPara
             live = jnp.arange(vals.shape[-1])[None, :] < n[:, None]
             return jnp.zeros((1, V), bool).at[0, ids[0]].set(live[0])
 
-        return _select(penalised, params, cap, finish)
+        return _select(lambda: _zeros_equal(penalised), penalised.shape[-1], params, cap, finish)
 
     return _by_row(row, logits, history, drafts, params)
 
@@ -480,21 +494,54 @@ def sample_rows(
     is never read; None = every row sees only `history`). `cap` = SamplerConfig.candidate_cap. Returns int32 [R]."""
     TRACE_COUNTS["sample_rows", logits.shape, history.tokens.shape, None if drafts is None else drafts.shape, cap] += 1
 
+    R, V = logits.shape
+    if R * V * 4 > _BATCH_BYTES:
+        return _sample_by_row(logits, positions, history, drafts, params, cap)
+    tokens, mask = row_windows(history, drafts, params.repeat_last_n, R)
+    # Penalties, the -0.0 fold, the top-`cap` selection and the greedy argmax are elementwise or exact selections,
+    # the same for a row whatever the other rows: done for all rows at once. Only the candidate arithmetic (cumsums
+    # over [1, cap], whose XLA code may depend on the shape) runs one row at a time, as in _by_row.
+    penalised = penalize(logits.astype(jnp.float32), tokens, mask, params)
+    u = position_uniform(params.seed, positions)
+
+    def sampled():
+        z = _zeros_equal(penalised)
+        split = min(cap, V)
+        top = top_k(z, split) if split < V else None
+
+        def one(i):
+            def finish(vals, ids, n, split):
+                # Inverse CDF in descending order, as llama.cpp's dist walks its (sorted) list: first entry whose
+                # cumulative weight reaches u * total.
+                cdf = _cumsum_split(_weights(vals, n, params.temperature), split)
+                target = u[i][None] * cdf[:, -1]
+                pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
+                return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+
+            row = lambda: jax.lax.dynamic_slice_in_dim(z, i, 1)
+            row_top = None if top is None else tuple(jax.lax.dynamic_slice_in_dim(t, i, 1) for t in top)
+            return _select(row, V, params, cap, finish, row_top)[0]
+
+        return jax.lax.map(one, jnp.arange(R))
+
+    # Greedy needs no sort: the filters always keep the maximum; take the first (lowest id) of equal maxima, the
+    # token the pipeline's greedy branch picks.
+    return jax.lax.cond(params.temperature > 0.0, sampled, lambda: greedy_pick(penalised))
+
+
+def _sample_by_row(logits, positions, history, drafts, params, cap):
+    """sample_rows one whole row at a time (the same tokens): [V]-sized temporaries for batches too large to hold
+    several [R, V] copies without glibc serving fresh pages on every call."""
+
     def row(penalised, u):
         def finish(vals, ids, n, split):
-            # Inverse CDF in descending order, as llama.cpp's dist walks its (sorted) list: first entry whose
-            # cumulative weight reaches u * total.
             cdf = _cumsum_split(_weights(vals, n, params.temperature), split)
             target = u * cdf[:, -1]
             pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
             return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
 
-        # Greedy needs no sort: the filters always keep the maximum; take the first (lowest id) of equal maxima,
-        # the token the pipeline's greedy branch picks.
-        def greedy():
-            return greedy_pick(penalised)
-
-        return jax.lax.cond(params.temperature > 0.0, lambda: _select(penalised, params, cap, finish), greedy)
+        select = lambda: _select(lambda: _zeros_equal(penalised), penalised.shape[-1], params, cap, finish)
+        return jax.lax.cond(params.temperature > 0.0, select, lambda: greedy_pick(penalised))
 
     return _by_row(row, logits, history, drafts, params, position_uniform(params.seed, positions))
 
@@ -515,6 +562,6 @@ def token_probs(logits, history: History, drafts, params: SamplerParams, *, cap:
             e = _weights(vals, n, params.temperature)
             return jnp.zeros((1, V), jnp.float32).at[0, ids[0]].set(e[0] / jnp.sum(e))
 
-        return _select(penalised, params, cap, finish)
+        return _select(lambda: _zeros_equal(penalised), penalised.shape[-1], params, cap, finish)
 
     return _by_row(row, logits, history, drafts, params)

@@ -50,6 +50,22 @@ inline void dots_fixed(const float* a, const float* const* b, int64_t n, float* 
   }
 }
 
+// The fixed halving tree of 16 partial sums (lane l += lane l + w for w = 8, 4, 2, 1) on vector halves.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+inline float fold16(const v16& x) {
+  v8 lo, hi;
+  std::memcpy(&lo, &x, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
+  const v8 s8 = lo + hi;
+  v4 a, b;
+  std::memcpy(&a, &s8, 16);
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
+  const v4 s4 = a + b;
+  const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
+  return s2a + s2b;
+}
+
 inline float dot_fixed(const float* a, const float* b, int64_t n) {
   float out;
   dots_fixed<1>(a, &b, n, &out);
@@ -107,12 +123,13 @@ void attend_block(const float* const* q, float* const* out, int n_rows, const in
         if (r < n_rows) acc[r] += *reinterpret_cast<const v16*>(q[r] + i) * kv;
     }
     for (int r = 0; r < n_rows; ++r) {
-      float t[kLanes];
-      std::memcpy(t, &acc[r], sizeof t);
-      for (int l = 0; nv + l < Dh; ++l) t[l] += q[r][nv + l] * kj[nv + l];
-      for (int w = kLanes / 2; w >= 1; w /= 2)
-        for (int l = 0; l < w; ++l) t[l] += t[l + w];
-      scores[r * sstride + j - ulo] = t[0] * scale;
+      if (nv < Dh) {
+        float t[kLanes];
+        std::memcpy(t, &acc[r], sizeof t);
+        for (int l = 0; nv + l < Dh; ++l) t[l] += q[r][nv + l] * kj[nv + l];
+        std::memcpy(&acc[r], t, sizeof t);
+      }
+      scores[r * sstride + j - ulo] = fold16(acc[r]) * scale;
     }
   }
   float inv[kRows];
