@@ -605,7 +605,7 @@ class Tokenizer:
                 f"unsupported tokenizer model {model!r}; supported: {', '.join(SUPPORTED_MODELS)} "
                 "(gpt2 = byte-level BPE, llama = SentencePiece, gemma4 = Gemma 4 BPE)"
             )
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens) or not tokens:
+        if not isinstance(tokens, list) or not tokens or set(map(type, tokens)) != {str}:
             raise TokenizerError("tokenizer.ggml.tokens must be a non-empty list of strings; the GGUF is malformed")
         self.model = model
         n = len(tokens)
@@ -653,19 +653,27 @@ class Tokenizer:
                 f"tokenizer.ggml.token_type has fewer entries than the {n} tokens; the GGUF is malformed")
         texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         self._texts = texts
-        self._scores = [float(s) for s in scores[:n]] if scores is not None else [0.0] * n
-        token_to_id: dict[str, int] = {}
-        for i, t in enumerate(texts):
-            if t in token_to_id:
-                raise TokenizerError(
-                    f"token text {t!r} appears twice (ids {token_to_id[t]} and {i}); llama.cpp refuses such a "
-                    "vocabulary too. Convert the model again."
-                )
-            token_to_id[t] = i
+        self._scores = np.asarray(scores[:n], np.float64).tolist() if scores is not None else [0.0] * n
+        token_to_id: dict[str, int] = dict(zip(texts, range(n)))
+        if len(token_to_id) != n:
+            seen: dict[str, int] = {}
+            for i, t in enumerate(texts):
+                if t in seen:
+                    raise TokenizerError(
+                        f"token text {t!r} appears twice (ids {seen[t]} and {i}); llama.cpp refuses such a "
+                        "vocabulary too. Convert the model again."
+                    )
+                seen[t] = i
         self._token_to_id = token_to_id
         if types is not None:
-            attrs = [int(_TYPE_TO_ATTR.get(t, TokenAttr.UNDEFINED)) for t in types[:n]]
-            self._types = tuple(int(t) for t in types[:n])
+            type_ids = np.asarray(types[:n], np.int64)
+            attr_of = np.full(max(int(type_ids.max(initial=0)), max(_TYPE_TO_ATTR)) + 1, int(TokenAttr.UNDEFINED),
+                              np.int64)
+            for t, a in _TYPE_TO_ATTR.items():
+                attr_of[int(t)] = int(a)
+            known = (type_ids >= 0) & (type_ids < len(attr_of))
+            attrs = np.where(known, attr_of[np.clip(type_ids, 0, len(attr_of) - 1)], int(TokenAttr.UNDEFINED)).tolist()
+            self._types = tuple(type_ids.tolist())
         else:
             attrs = [int(TokenAttr.NORMAL)] * n
             self._types = (int(TokenType.NORMAL),) * n
@@ -711,8 +719,8 @@ class Tokenizer:
                 if hits:
                     special[k] = min(hits)
                     make_control(special[k])
-        for i, a in enumerate(attrs):
-            if a & TokenAttr.CONTROL and "unused" in texts[i]:
+        for i in np.flatnonzero(np.asarray(attrs, np.int64) & int(TokenAttr.CONTROL)).tolist():
+            if "unused" in texts[i]:
                 attrs[i] |= TokenAttr.UNUSED
 
         eog: set[int] = {special[k] for k in ("fim_pad", "fim_rep", "fim_sep") if special[k] is not None}
@@ -741,7 +749,7 @@ class Tokenizer:
         self._attrs = attrs
         self._special = special
         self._eog = frozenset(eog)
-        specials_all = {texts[i]: i for i in range(n) if attrs[i] & _SPECIAL_ATTRS}
+        specials_all = {texts[i]: i for i in np.flatnonzero(np.asarray(attrs, np.int64) & int(_SPECIAL_ATTRS)).tolist()}
         specials_text = {t: i for t, i in specials_all.items() if not attrs[i] & _HIDDEN_ATTRS}
         self._splitters = {True: _SpecialSplitter(specials_all), False: _SpecialSplitter(specials_text)}
 
@@ -1020,7 +1028,7 @@ class Tokenizer:
     def _vocab_bigrams(self) -> np.ndarray:
         """Sorted keys (c1 << 21 | c2) of every adjacent character pair inside any vocabulary string."""
         texts = self._texts
-        lens = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
+        lens = np.array(list(map(len, texts)), dtype=np.int64)
         cps = np.frombuffer("".join(texts).encode("utf-32-le", "surrogatepass"), dtype="<u4").astype(np.int64)
         if len(cps) < 2:
             return np.zeros(0, dtype=np.int64)
