@@ -185,7 +185,11 @@ class SamplerConfig:
     def candidate_cap(self, n_vocab: int) -> int:
         """Static number of sorted candidates: top_k rounded up to a power of two (so nearby top_k values share a
         compiled program), or TOP_K_OFF_CAP when top-k is off (rows whose survivors do not fit fall back to a
-        full sort of the vocab). Any cap gives the same tokens; it only sets the cost."""
+        full sort of the vocab). Any cap gives the same tokens; it only sets the cost. A greedy config
+        (temperature <= 0) gets 0: the compiled step then holds only the argmax, not the sampling pipeline (whose
+        tracing and lowering alone take ~0.3 s at start-up)."""
+        if self.temperature <= 0.0:
+            return 0
         if self.top_k <= 0:
             return min(int(n_vocab), TOP_K_OFF_CAP)
         return min(int(n_vocab), _pow2_at_least(self.top_k))
@@ -468,6 +472,7 @@ def _by_row(fn, logits, history, drafts, params, *extra):
 def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The survivors of penalties -> top-k -> top-p -> min-p for each row of logits [R, V], bool [R, V]."""
     V = logits.shape[-1]
+    cap = cap or min(V, TOP_K_OFF_CAP)  # a greedy config's cap (0) sorts nothing; the filters need candidates
 
     def row(penalised):
         def finish(vals, ids, n, split):
@@ -497,6 +502,9 @@ def sample_rows(
     R, V = logits.shape
     if R * V * 4 > _BATCH_BYTES:
         return _sample_by_row(logits, positions, history, drafts, params, cap)
+    if cap == 0:  # a greedy config (SamplerConfig.candidate_cap): only the argmax is compiled
+        tokens, mask = row_windows(history, drafts, params.repeat_last_n, R)
+        return greedy_pick(penalize(logits.astype(jnp.float32), tokens, mask, params))
     tokens, mask = row_windows(history, drafts, params.repeat_last_n, R)
     # Penalties, the -0.0 fold, the top-`cap` selection and the greedy argmax are elementwise or exact selections,
     # the same for a row whatever the other rows: done for all rows at once. Only the candidate arithmetic (cumsums
@@ -540,6 +548,8 @@ def _sample_by_row(logits, positions, history, drafts, params, cap):
             pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
             return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
 
+        if cap == 0:
+            return greedy_pick(penalised)
         select = lambda: _select(lambda: _zeros_equal(penalised), penalised.shape[-1], params, cap, finish)
         return jax.lax.cond(params.temperature > 0.0, select, lambda: greedy_pick(penalised))
 
@@ -556,6 +566,7 @@ def sample_row(logits: jax.Array, position, history: History, params: SamplerPar
 def token_probs(logits, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The distribution each row is sampled from, float32 [R, V] (one-hot on the greedy pick for T <= 0)."""
     V = logits.shape[-1]
+    cap = cap or min(V, TOP_K_OFF_CAP)
 
     def row(penalised):
         def finish(vals, ids, n, split):

@@ -100,6 +100,9 @@ _TYPE_TO_ATTR = {
     TokenType.BYTE: TokenAttr.BYTE,
 }
 
+# SentencePiece fragments shorter than this are merged whole; longer ones are cut where no merge can cross first.
+_SPM_CHUNK_MIN = 256
+
 _SPECIAL_ATTRS = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN  # split out before tokenizing
 _HIDDEN_ATTRS = TokenAttr.CONTROL | TokenAttr.UNKNOWN  # not parsed / not rendered unless `special`
 
@@ -1012,7 +1015,7 @@ class Tokenizer:
         such a point, so the merge loop runs on each chunk independently and the result is the same as on the
         whole fragment (which is what llama.cpp does), but chunks repeat and are memoized."""
         n = len(text)
-        if n < 2:
+        if n < _SPM_CHUNK_MIN:  # short text: one chunk, and no need to build the bigram table (~0.15 s)
             return [text] if text else []
         if self._spm_bigrams is None:
             self._spm_bigrams = self._vocab_bigrams()

@@ -353,3 +353,10 @@ def test_argmax_kernel_is_the_first_maximum():
         xla = jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
         assert np.array_equal(np.asarray(argmax(clean)), np.asarray(xla)), trial
     assert int(argmax(jnp.full((1, 7), jnp.nan))[0]) == 6
+
+
+def test_selections_under_vmap():
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 5, 100)), jnp.float32)
+    assert np.array_equal(np.asarray(jax.vmap(kernels.argmax)(x)), np.asarray(kernels.argmax(x)))
+    got = jax.vmap(lambda r: kernels.top_k(r, 4)[1])(x)
+    assert np.array_equal(np.asarray(got), np.asarray(jax.lax.top_k(x, 4)[1]))

@@ -204,7 +204,8 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     if not 1 <= k <= V:
         raise ValueError(f"top_k: k = {k} must be in [1, {V}]")
     vals, ids = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((*lead, k), jnp.float32),
-                                                jax.ShapeDtypeStruct((*lead, k), jnp.int32)))(
+                                                jax.ShapeDtypeStruct((*lead, k), jnp.int32)),
+                                 vmap_method="broadcast_all")(
         x.astype(jnp.float32), k=np.int64(k))
     return vals, ids
 
@@ -212,4 +213,5 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def argmax(x: jax.Array) -> jax.Array:
     """The lowest index of each row's maximum over the last axis (int32); NaNs are skipped (V - 1 if all are NaN)."""
     _register()
-    return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32))(x.astype(jnp.float32))
+    return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
+                            vmap_method="broadcast_all")(x.astype(jnp.float32))
