@@ -353,6 +353,11 @@ def test_argmax_kernel_is_the_first_maximum():
         xla = jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
         assert np.array_equal(np.asarray(argmax(clean)), np.asarray(xla)), trial
     assert int(argmax(jnp.full((1, 7), jnp.nan))[0]) == 6
+    for V in (7, 40):  # rows with nothing above -inf: the first -inf
+        row = np.full((1, V), np.nan, np.float32)
+        row[0, 3::5] = -np.inf
+        assert int(argmax(jnp.asarray(row))[0]) == 3
+        assert int(argmax(jnp.full((1, V), -jnp.inf))[0]) == 0
 
 
 def test_selections_under_vmap():

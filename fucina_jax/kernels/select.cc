@@ -34,6 +34,9 @@ inline int32_t total_key(float f) {
   return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
 
+typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
 // (key, index): `a` ranks before `b` when its key is larger, or equal with a lower index.
 inline bool ranks_before(const std::pair<int32_t, int32_t>& a, const std::pair<int32_t, int32_t>& b) {
   return a.first != b.first ? a.first > b.first : a.second < b.second;
@@ -97,20 +100,32 @@ void top_k_row(const float* x, int64_t V, int64_t k, float* vals, int32_t* ids,
 
 FUCINA_CLONES
 int32_t argmax_row(const float* x, int64_t V) {
-  // Per-lane maxima over blocks of 16 (a NaN never compares greater, so it is skipped), then the first index
-  // holding the maximum.
+  // One pass: per lane of 16, the maximum and the first index holding it (a NaN never compares greater, so it is
+  // skipped; +0.0 and -0.0 are equal, so the earlier stays); then the lowest index among the lanes' maxima.
   constexpr int kBlock = 16;
-  float m[kBlock];
-  for (int l = 0; l < kBlock; ++l) m[l] = -INFINITY;
+  v16f m = v16f{} - INFINITY;
+  v16i at = v16i{} - 1;
+  v16i lane;
+  for (int l = 0; l < kBlock; ++l) lane[l] = l;
   int64_t i = 0;
-  for (; i + kBlock <= V; i += kBlock)
-    for (int l = 0; l < kBlock; ++l) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
+  for (; i + kBlock <= V && i + kBlock <= INT32_MAX; i += kBlock) {
+    const v16f v = *reinterpret_cast<const v16f*>(x + i);
+    const v16i gt = v > m;
+    m = gt ? v : m;
+    at = gt ? lane + static_cast<int32_t>(i) : at;
+  }
   float best = -INFINITY;
-  for (; i < V; ++i) best = x[i] > best ? x[i] : best;
-  for (int l = 0; l < kBlock; ++l) best = m[l] > best ? m[l] : best;
-  for (int64_t j = 0; j < V; ++j)
-    if (x[j] == best) return static_cast<int32_t>(j);
-  return static_cast<int32_t>(V - 1);  // every value is NaN
+  int64_t best_at = -1;
+  for (int l = 0; l < kBlock; ++l)
+    if (at[l] >= 0 && (m[l] > best || (m[l] == best && at[l] < best_at))) best = m[l], best_at = at[l];
+  for (; i < V; ++i)
+    if (x[i] > best) best = x[i], best_at = i;
+  if (best_at < 0) {  // nothing above -inf: the first -inf, or V - 1 when every value is NaN
+    for (int64_t j = 0; j < V; ++j)
+      if (x[j] == -INFINITY) return static_cast<int32_t>(j);
+    return static_cast<int32_t>(V - 1);
+  }
+  return static_cast<int32_t>(best_at);
 }
 
 // Rows of x: all but the last axis.
