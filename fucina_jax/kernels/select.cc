@@ -55,16 +55,13 @@ void top_k_row(const float* x, int64_t V, int64_t k, float* vals, int32_t* ids,
   for (; i < k; ++i) heap.emplace_back(total_key(x[i]), static_cast<int32_t>(i));
   std::make_heap(heap.begin(), heap.end(), worse);
   int32_t thr = heap.front().first;
+  auto offer = [&](int32_t key, int64_t idx) {  // key > thr: replace the worst kept
+    std::pop_heap(heap.begin(), heap.end(), worse);
+    heap.back() = {key, static_cast<int32_t>(idx)};
+    std::push_heap(heap.begin(), heap.end(), worse);
+    thr = heap.front().first;
+  };
   constexpr int kBlock = 16;
-  for (; i < V && i % kBlock; ++i) {
-    const int32_t key = total_key(x[i]);
-    if (key > thr) {
-      std::pop_heap(heap.begin(), heap.end(), worse);
-      heap.back() = {key, static_cast<int32_t>(i)};
-      std::push_heap(heap.begin(), heap.end(), worse);
-      thr = heap.front().first;
-    }
-  }
   for (; i + kBlock <= V; i += kBlock) {
     int32_t keys[kBlock];
     bool any = false;
@@ -73,23 +70,12 @@ void top_k_row(const float* x, int64_t V, int64_t k, float* vals, int32_t* ids,
       any |= keys[l] > thr;
     }
     if (!any) continue;
-    for (int l = 0; l < kBlock; ++l) {
-      if (keys[l] > thr) {
-        std::pop_heap(heap.begin(), heap.end(), worse);
-        heap.back() = {keys[l], static_cast<int32_t>(i + l)};
-        std::push_heap(heap.begin(), heap.end(), worse);
-        thr = heap.front().first;
-      }
-    }
+    for (int l = 0; l < kBlock; ++l)
+      if (keys[l] > thr) offer(keys[l], i + l);
   }
   for (; i < V; ++i) {
     const int32_t key = total_key(x[i]);
-    if (key > thr) {
-      std::pop_heap(heap.begin(), heap.end(), worse);
-      heap.back() = {key, static_cast<int32_t>(i)};
-      std::push_heap(heap.begin(), heap.end(), worse);
-      thr = heap.front().first;
-    }
+    if (key > thr) offer(key, i);
   }
   std::sort(heap.begin(), heap.end(), ranks_before);
   for (int64_t j = 0; j < k; ++j) {
