@@ -228,15 +228,24 @@ def test_real_tensors_pack_losslessly(gemma3_path, smollm2_path):
 
 
 @pytest.mark.parametrize("window", [0, 5])
-def test_attention_kernel_matches_the_definition(window):
+@pytest.mark.parametrize("H, K, Dh", [(4, 2, 48), (3, 1, 40), (8, 8, 64), (8, 1, 80)],
+                         ids=["gqa2", "gqa3-tail", "mha", "gqa8-vtail"])
+def test_attention_kernel_matches_the_definition(window, H, K, Dh):
+    """Query rows are computed in blocks of 4 sharing a kv head; blocks straddle positions (T * G rows per kv head),
+    head dims that are not a multiple of 16 (dot tail) or of 64 (V tail) take the scalar tails."""
     rng = np.random.default_rng(12)
-    B, T, H, K, Dh, S = 2, 5, 4, 2, 48, 40  # Dh not a multiple of 16: the tail path
+    B, T, S = 2, 5, 40
     q = rng.standard_normal((B, T, H, Dh)).astype(np.float32)
     k = rng.standard_normal((B, S, K, Dh)).astype(np.float32)
     v = rng.standard_normal((B, S, K, Dh)).astype(np.float32)
     pos = np.array([[3, 4, 5, 6, 7], [30, 31, 32, 33, 39]], np.int32)
     got = np.asarray(jax.jit(kernels.attention, static_argnums=(4, 5))(q, k, v, pos, 0.2, window))
     np.testing.assert_allclose(got, np_attention(q, k, v, pos, 0.2, window), atol=2e-6)
+    # each row alone gives the same bits as inside the batch
+    for t in (0, 4):
+        one = np.asarray(jax.jit(kernels.attention, static_argnums=(4, 5))(q[:, t:t + 1], k, v, pos[:, t:t + 1], 0.2,
+                                                                         window))
+        np.testing.assert_array_equal(one[:, 0], got[:, t])
 
 
 def test_attention_and_norm_rows_are_independent_of_the_batch():
