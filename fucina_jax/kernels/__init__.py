@@ -1,6 +1,6 @@
 """Quantized CPU kernels inside jax.jit: the fast path for GGUF weights.
 
-A `QWeight` is a weight packed once at load (pack.py) and kept at ~1.1-1.25 bytes per value instead of f32's 4.
+A `QWeight` is a weight packed once at load (pack.py) and kept at ~1.06-1.25 bytes per value instead of f32's 4.
 `qlinear(x, w)` multiplies through the XLA FFI target `fucina_qmatmul` (qmatmul.cc): activations quantized per
 32-block to int8 like llama.cpp's q8_0, exact integer dot products, a fixed float sequence per output, so each row
 of the result is bitwise independent of how many rows are computed with it. `take_rows(w, ids)` gathers embedding
@@ -78,8 +78,8 @@ class QWeight:
     """A [n, k] weight (GGUF/PyTorch (out, in) order) in the kernels' packed layout (see pack.py)."""
 
     q: jax.Array  # uint8 [G, k/32 * 512]
-    a: jax.Array  # f32 [G, k/bs * 16]
-    c: jax.Array  # f32, same as a (affine types) or [0] (symmetric types)
+    a: jax.Array  # f16 or f32 [G, k/bs * 16] (pack.scale_dtype)
+    c: jax.Array  # same as a (affine types) or [0] (symmetric types)
     n: int = dataclasses.field(metadata=dict(static=True))
     k: int = dataclasses.field(metadata=dict(static=True))
     bs: int = dataclasses.field(metadata=dict(static=True))
@@ -91,7 +91,7 @@ class QWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self.q.size + 4 * self.a.size + 4 * self.c.size)
+        return int(self.q.size + self.a.size * self.a.dtype.itemsize + self.c.size * self.c.dtype.itemsize)
 
 
 def pack_weight(raw: np.ndarray, qtype, shape: tuple[int, int], done=None) -> QWeight:
@@ -108,7 +108,8 @@ def concat_weights(ws: list[QWeight]) -> QWeight | None:
     NumPy parts (the loader fuses before placing) give 64-byte aligned NumPy leaves, like pack_weight."""
     first = ws[0]
     affine = first.c.size > 0
-    if any(w.k != first.k or w.bs != first.bs or (w.c.size > 0) != affine or w.n % LANES for w in ws):
+    if any(w.k != first.k or w.bs != first.bs or (w.c.size > 0) != affine or w.a.dtype != first.a.dtype
+           or w.n % LANES for w in ws):
         return None
     if isinstance(first.q, jax.Array):
         cat = jnp.concatenate
@@ -143,10 +144,10 @@ def take_rows(w: QWeight, ids: jax.Array) -> jax.Array:
     G, nb = w.q.shape[0], w.k // QBLOCK
     g, lane = ids // LANES, ids % LANES
     u = w.q.reshape(G, nb, 8, LANES, 4)[g, :, :, lane, :].reshape(*ids.shape, w.k)
-    a = jnp.repeat(w.a.reshape(G, -1, LANES)[g, :, lane], w.bs, axis=-1)
+    a = jnp.repeat(w.a.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32), w.bs, axis=-1)
     if w.c.size == 0:
         return (u.astype(jnp.float32) - jnp.float32(128)) * a
-    c = jnp.repeat(w.c.reshape(G, -1, LANES)[g, :, lane], w.bs, axis=-1)
+    c = jnp.repeat(w.c.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32), w.bs, axis=-1)
     return u.astype(jnp.float32) * a + c
 
 

@@ -1,7 +1,8 @@
 """GGUF quantized blocks -> the kernels' packed layout, losslessly.
 
-Every supported type is rewritten as byte codes u (0..255) with one f32 scale `a` per sub-block of `bs` values and,
-for types with a per-block minimum, one f32 offset `c`:
+Every supported type is rewritten as byte codes u (0..255) with one scale `a` per sub-block of `bs` values and, for
+types with a per-block minimum, one offset `c` (fp16, exactly the file's, where the file stores them as fp16: Q8_0,
+Q4_0, Q5_0, Q4_1, Q5_1; else f32):
 
   type   bs  form       u            a              c            value (bitwise the same as quants.dequantize)
   Q8_0   32  symmetric  q + 128      d              -            a * (u - 128)
@@ -14,14 +15,14 @@ for types with a per-block minimum, one f32 offset `c`:
   Q5_K   32  affine     q            d * sc         -(dmin * m)
 
 (`d * sc` is the float product ggml computes, so nothing is rounded that was not rounded before.) Bytes per weight:
-1.125 (bs 32 symmetric), 1.25 (bs 16 symmetric or bs 32 affine), against the file's 0.56-1.06: the price of one
+1.0625 (fp16 symmetric), 1.125 (fp16 affine), 1.25 (K-quants), against the file's 0.56-1.06: the price of one
 kernel with one code width; see docs/performance.md. Other types (Q2_K, Q3_K, i-quants, floats) stay on the f32
 path.
 
 Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
   q uint8 [G, nb * 512]      per group and block: 8 chunks x 16 columns x 4 consecutive K values
-  a f32   [G, nb * 32/bs * 16]  per group: [sub-block][column]
-  c f32   same as a (affine) or [0] (symmetric)
+  a f16/f32 [G, nb * 32/bs * 16]  per group: [sub-block][column]
+  c f16/f32 same as a (affine) or [0] (symmetric)
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes
 
-__all__ = ["PACKED_TYPES", "LANES", "QBLOCK", "aligned_empty", "decode_codes", "pack_codes", "pack_tensor",
-           "unpack_values"]
+__all__ = ["F16_SCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty", "decode_codes", "pack_codes",
+           "pack_tensor", "scale_dtype", "unpack_values"]
 
 T = GGMLQuantizationType
 LANES = 16  # output columns per group: one AVX-512 lane each
@@ -104,6 +105,14 @@ _DECODERS = {
     T.Q6_K: (_q6_k, 16),
 }
 PACKED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DECODERS)
+# Types whose scales (and offsets) are the file's own fp16 numbers: packed as f16, exactly, 2 bytes instead of 4 per
+# 32 values (the Q8_0 output layer of a 262k vocab moves 10.5 MB less per token). K-quants multiply two numbers into
+# a scale that fp16 may not hold: f32.
+F16_SCALE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
+
+
+def scale_dtype(qtype) -> np.dtype:
+    return np.dtype(np.float16 if qtype in F16_SCALE_TYPES else np.float32)
 
 
 def decode_codes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
@@ -129,7 +138,7 @@ def unpack_values(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int) -
     return u.astype(np.float32) * a + np.repeat(c, bs, axis=-1)
 
 
-def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int):
+def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int, dtype=np.float32):
     """Codes [N, K] + scales [N, K/bs] -> the kernel layout (q, a, c), columns padded to a multiple of 16. The plain
     statement of the layout: pack_tensor computes the same bytes faster, and the tests hold it to this."""
     N, K = u.shape
@@ -148,8 +157,8 @@ def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int):
 
     return (
         np.ascontiguousarray(q),
-        np.ascontiguousarray(lanes_last(a)),
-        np.zeros((0,), np.float32) if c is None else np.ascontiguousarray(lanes_last(c)),
+        np.ascontiguousarray(lanes_last(a)).astype(dtype),
+        np.zeros((0,), dtype) if c is None else np.ascontiguousarray(lanes_last(c)).astype(dtype),
     )
 
 
@@ -196,8 +205,9 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     affine = qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K)
     q = aligned_empty((G, nb * 8 * LANES * 4), np.uint8)
     q32 = q.view(np.uint32)  # [G, nb * 8 * 16]: one element = the 4 consecutive K values of one column
-    a = aligned_empty((G, per_row * LANES), np.float32)
-    c = aligned_empty((G, per_row * LANES), np.float32) if affine else np.zeros((0,), np.float32)
+    sd = scale_dtype(qtype)
+    a = aligned_empty((G, per_row * LANES), sd)
+    c = aligned_empty((G, per_row * LANES), sd) if affine else np.zeros((0,), sd)
     step = _chunk_rows(K, rows_per_chunk)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)

@@ -152,10 +152,18 @@ void quantize_rows(const float* x, Act& a, bool avx512) {
 
 struct Weights {
   const uint8_t* q;  // [G, nb, 512]
-  const float* a;    // [G, nb * nsub, 16]
-  const float* c;    // same, affine only (else null)
+  const void* a;     // [G, nb * nsub, 16], f32 or (f16: the file's own fp16 block scales) f16
+  const void* c;     // same, affine only (else null)
   int64_t nb;
   int nsub;          // 32 / bs
+  bool f16;          // a and c hold fp16 values
+
+  // Scale (or offset) i of `p` as f32, exactly (every fp16 value is an f32 value).
+  float at(const void* p, int64_t i) const {
+    return f16 ? static_cast<float>(static_cast<const _Float16*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  // The scales of group g start at element g * ns * 16 of a (and c).
+  int64_t base(int64_t g) const { return g * nb * nsub * 16; }
 };
 
 // Computes out[r, g*16 .. g*16+15] for rows [r0, r1) of one column group.
@@ -169,9 +177,7 @@ using GroupsFn = void (*)(const Weights&, int64_t g0, int64_t g1, const Act&, fl
 
 void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
   const uint8_t* wq = w.q + g * w.nb * kGroupBlockBytes;
-  const int64_t ns = w.nb * w.nsub;
-  const float* wa = w.a + g * ns * kLanes;
-  const float* wc = w.c ? w.c + g * ns * kLanes : nullptr;
+  const int64_t s0 = w.base(g);
   const int cps = 8 / w.nsub;  // 4-value chunks per sub-block
   for (int64_t r = r0; r < r1; ++r) {
     for (int l = 0; l < kLanes; ++l) {
@@ -187,11 +193,12 @@ void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
               I += static_cast<int32_t>(wb[(ci * kLanes + l) * 4 + e]) * xb[ci * 4 + e];
           const int32_t S = x.sum(r, b, j, w.nsub);
           const int64_t si = (b * w.nsub + j) * kLanes + l;
-          if (wc) {
-            acc = std::fmaf(dx * wa[si], static_cast<float>(I), acc);
-            acc = std::fmaf(dx * wc[si], static_cast<float>(S), acc);
+          const float a = w.at(w.a, s0 + si);
+          if (w.c) {
+            acc = std::fmaf(dx * a, static_cast<float>(I), acc);
+            acc = std::fmaf(dx * w.at(w.c, s0 + si), static_cast<float>(S), acc);
           } else {
-            acc = std::fmaf(dx * wa[si], static_cast<float>(I - 128 * S), acc);
+            acc = std::fmaf(dx * a, static_cast<float>(I - 128 * S), acc);
           }
         }
       }
@@ -205,13 +212,17 @@ void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
 // vpmaddubsw (u8 x s8 pairs -> s16, saturating) never saturates: 2 * 15 * 127 < 32767.
 // ------------------------------------------------------------------------------------------------------------------
 
+// 8 scales from element i of p (f16 or f32) as f32.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const Weights& w, const void* p, int64_t i) {
+  return w.f16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+               : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+
 template <int R>
-__attribute__((target("avx2,fma"))) void rows_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, float* out,
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, float* out,
                                                    int64_t ldo) {
   const uint8_t* wq = w.q + g * w.nb * kGroupBlockBytes;
-  const int64_t ns = w.nb * w.nsub;
-  const float* wa = w.a + g * ns * kLanes;
-  const float* wc = w.c ? w.c + g * ns * kLanes : nullptr;
+  const int64_t s0 = w.base(g);
   const int cps = 8 / w.nsub;
   const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -222,7 +233,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Weights& w, int64_t g, 
       const uint8_t* wb = wq + b * kGroupBlockBytes + 32 * h;
       for (int j = 0; j < w.nsub; ++j) {
         const int64_t si = (b * w.nsub + j) * kLanes + 8 * h;
-        const __m256 a = _mm256_loadu_ps(wa + si);
+        const __m256 a = load8(w, w.a, s0 + si);
         for (int r = 0; r < R; ++r) {
           const int8_t* xb = x.xq(r0 + r, b);
           __m256i I = _mm256_setzero_si256();
@@ -240,9 +251,9 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Weights& w, int64_t g, 
           const float dx = x.dx(r0 + r, b);
           const int32_t S = x.sum(r0 + r, b, j, w.nsub);
           const __m256 s = _mm256_mul_ps(_mm256_set1_ps(dx), a);
-          if (wc) {
+          if (w.c) {
             acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(I), acc[r]);
-            const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(dx), _mm256_loadu_ps(wc + si));
+            const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(dx), load8(w, w.c, s0 + si));
             acc[r] = _mm256_fmadd_ps(sc, _mm256_set1_ps(static_cast<float>(S)), acc[r]);
           } else {
             I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * S));
@@ -270,13 +281,18 @@ void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r
 // The 8 weight vectors of a 32-block stay in registers while up to 8 rows use them.
 // ------------------------------------------------------------------------------------------------------------------
 
+// 16 scales from element i of p (f16 or f32) as f32.
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) inline __m512 load16(const Weights& w, const void* p,
+                                                                                 int64_t i) {
+  return w.f16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
+               : _mm512_loadu_ps(static_cast<const float*>(p) + i);
+}
+
 template <int R, int NSUB, bool AFFINE>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(const Weights& w, int64_t g, const Act& x,
                                                                              int64_t r0, float* out, int64_t ldo) {
   const uint8_t* wb = w.q + g * w.nb * kGroupBlockBytes;
-  const int64_t ns = w.nb * NSUB;
-  const float* wa = w.a + g * ns * kLanes;
-  const float* wc = AFFINE ? w.c + g * ns * kLanes : nullptr;
+  const int64_t s0 = w.base(g);
   constexpr int cps = 8 / NSUB;
   __m512 acc[R];
 #pragma GCC unroll 8
@@ -293,8 +309,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
 #pragma GCC unroll 2
     for (int j = 0; j < NSUB; ++j) {
       const int64_t si = (b * NSUB + j) * kLanes;
-      const __m512 a = _mm512_loadu_ps(wa + si);
-      const __m512 c = AFFINE ? _mm512_loadu_ps(wc + si) : _mm512_setzero_ps();
+      const __m512 a = load16(w, w.a, s0 + si);
+      const __m512 c = AFFINE ? load16(w, w.c, s0 + si) : _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         // Two accumulators halve the vpdpbusd dependency chain; integer sums are exact in any order.
@@ -366,7 +382,7 @@ struct Isa {
 bool has_scalar() { return true; }
 bool has_avx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 bool has_avx512() {
   __builtin_cpu_init();
@@ -404,7 +420,7 @@ int current_isa() {
 // ------------------------------------------------------------------------------------------------------------------
 
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
-                       ffi::Buffer<ffi::F32> wa, ffi::Buffer<ffi::F32> wc, ffi::ResultBuffer<ffi::F32> y, int64_t bs) {
+                       ffi::AnyBuffer wa, ffi::AnyBuffer wc, ffi::ResultBuffer<ffi::F32> y, int64_t bs) {
   auto xd = x.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("fucina_qmatmul: x and y must be 2-D");
@@ -419,8 +435,12 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("fucina_qmatmul: packed weight sizes do not match x and y");
   if (M == 0) return ffi::Error::Success();
 
-  const Weights w{wq.typed_data(), wa.typed_data(), wc.element_count() ? wc.typed_data() : nullptr, nb,
-                  static_cast<int>(nsub)};
+  const bool f16 = wa.element_type() == ffi::DataType::F16;
+  if ((!f16 && wa.element_type() != ffi::DataType::F32) ||
+      (wc.element_count() != 0 && wc.element_type() != wa.element_type()))
+    return ffi::Error::InvalidArgument("fucina_qmatmul: scales and offsets must both be f32 or both f16");
+  const Weights w{wq.typed_data(), wa.untyped_data(), wc.element_count() ? wc.untyped_data() : nullptr, nb,
+                  static_cast<int>(nsub), f16};
   Act act;
   act.M = M;
   act.K = K;
@@ -447,8 +467,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bs"));
 
