@@ -421,9 +421,10 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def greedy_pick(logits: jax.Array) -> jax.Array:
-    """The greedy token of each row of logits [..., V]: the lowest id among equal maxima (+0.0 == -0.0). NaNs are
-    skipped, as XLA's CPU max reduction skips them (a row with NaN logits has no meaningful maximum; any valid id
-    would do, but decode and verify rows must agree, and they do: both come here)."""
+    """The greedy token of each row of logits [..., V]: the lowest id among equal maxima (+0.0 == -0.0). A row with
+    NaN logits has no meaningful maximum: the kernel skips NaNs, the XLA fallback (whose max may or may not see
+    them) may answer V - 1; any valid id would do, as long as decode and verify rows agree, and they do: both come
+    here."""
     if _kernels() is not None:
         return _kernels().argmax(logits)
     # max + min-index is ~4x faster than XLA's CPU argmax
