@@ -77,7 +77,7 @@ def set_isa(name: str) -> None:
 class QWeight:
     """A [n, k] weight (GGUF/PyTorch (out, in) order) in the kernels' packed layout (see pack.py)."""
 
-    q: jax.Array  # uint8 [G, k/32 * 512]
+    q: jax.Array  # uint8 [G, k/32 * 512], or [G, k/32 * 256] for 4-bit codes (pack.py)
     a: jax.Array  # f16 or f32 [G, k/bs * 16] (pack.scale_dtype)
     c: jax.Array  # same as a (affine types) or [0] (symmetric types)
     n: int = dataclasses.field(metadata=dict(static=True))
@@ -88,6 +88,11 @@ class QWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
+
+    @property
+    def nibble(self) -> bool:
+        """4-bit codes, two per byte (pack.NIBBLE_TYPES)."""
+        return self.q.shape[-1] * 2 == (self.k // QBLOCK) * 8 * LANES * 4
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +114,7 @@ def concat_weights(ws: list[QWeight]) -> QWeight | None:
     first = ws[0]
     affine = first.c.size > 0
     if any(w.k != first.k or w.bs != first.bs or (w.c.size > 0) != affine or w.a.dtype != first.a.dtype
-           or w.n % LANES for w in ws):
+           or w.nibble != first.nibble or w.n % LANES for w in ws):
         return None
     if isinstance(first.q, jax.Array):
         cat = jnp.concatenate
@@ -143,10 +148,14 @@ def take_rows(w: QWeight, ids: jax.Array) -> jax.Array:
     """Rows ids [...] of the weight as f32 [..., k] (an embedding lookup), dequantized from the packed codes."""
     G, nb = w.q.shape[0], w.k // QBLOCK
     g, lane = ids // LANES, ids % LANES
-    u = w.q.reshape(G, nb, 8, LANES, 4)[g, :, :, lane, :].reshape(*ids.shape, w.k)
+    if w.nibble:  # chunks c and c + 4 share double chunk c: low and high nibble
+        v = w.q.reshape(G, nb, 4, LANES, 4)[g, :, :, lane, :]
+        u = jnp.concatenate([v & 0x0F, v >> 4], axis=-2).reshape(*ids.shape, w.k)
+    else:
+        u = w.q.reshape(G, nb, 8, LANES, 4)[g, :, :, lane, :].reshape(*ids.shape, w.k)
     a = jnp.repeat(w.a.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32), w.bs, axis=-1)
     if w.c.size == 0:
-        return (u.astype(jnp.float32) - jnp.float32(128)) * a
+        return (u.astype(jnp.float32) - jnp.float32(8 if w.nibble else 128)) * a
     c = jnp.repeat(w.c.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32), w.bs, axis=-1)
     return u.astype(jnp.float32) * a + c
 

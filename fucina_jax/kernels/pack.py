@@ -21,6 +21,7 @@ path.
 
 Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
   q uint8 [G, nb * 512]      per group and block: 8 chunks x 16 columns x 4 consecutive K values
+          [G, nb * 256]      4-bit types (NIBBLE_TYPES): chunk c in the low / high nibble of double chunk c % 4
   a f16/f32 [G, nb * 32/bs * 16]  per group: [sub-block][column]
   c f16/f32 same as a (affine) or [0] (symmetric)
 """
@@ -32,7 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes
 
-__all__ = ["F16_SCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty", "decode_codes", "pack_codes",
+__all__ = ["F16_SCALE_TYPES", "LANES", "NIBBLE_TYPES", "PACKED_TYPES", "QBLOCK", "aligned_empty", "decode_codes", "pack_codes",
            "pack_tensor", "scale_dtype", "unpack_values"]
 
 T = GGMLQuantizationType
@@ -111,8 +112,22 @@ PACKED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DECODERS)
 F16_SCALE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
 
 
+# Types whose codes fit 4 bits (u = q, or q + 120 for Q4_0's symmetric form): two codes per byte, 256 bytes per group
+# and 32-block instead of 512 (Q4_K: 0.75 bytes per weight instead of 1.25). Chunk c of a block sits in the low
+# (c < 4) or high (c >= 4) nibble of double chunk c % 4; symmetric codes are stored as q with zero 8.
+NIBBLE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+
+
 def scale_dtype(qtype) -> np.dtype:
     return np.dtype(np.float16 if qtype in F16_SCALE_TYPES else np.float32)
+
+
+def _nibble_codes(q: np.ndarray, symmetric: bool) -> np.ndarray:
+    """Byte-code layout [G, nb * 512] -> 4-bit layout [G, nb * 256] (symmetric codes q + 120 become q; the padding
+    code 128 becomes the zero code)."""
+    codes = (q - np.uint8(120 if symmetric else 0)) & np.uint8(0x0F)
+    v = codes.reshape(q.shape[0], -1, 2, 256)
+    return (v[:, :, 0] | (v[:, :, 1] << np.uint8(4))).reshape(q.shape[0], -1)
 
 
 def decode_codes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
@@ -138,7 +153,7 @@ def unpack_values(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int) -
     return u.astype(np.float32) * a + np.repeat(c, bs, axis=-1)
 
 
-def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int, dtype=np.float32):
+def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int, dtype=np.float32, nibble=False):
     """Codes [N, K] + scales [N, K/bs] -> the kernel layout (q, a, c), columns padded to a multiple of 16. The plain
     statement of the layout: pack_tensor computes the same bytes faster, and the tests hold it to this."""
     N, K = u.shape
@@ -156,7 +171,7 @@ def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int, dtyp
         return s.reshape(G, LANES, -1).transpose(0, 2, 1).reshape(G, -1)
 
     return (
-        np.ascontiguousarray(q),
+        np.ascontiguousarray(_nibble_codes(q, c is None) if nibble else q),
         np.ascontiguousarray(lanes_last(a)).astype(dtype),
         np.zeros((0,), dtype) if c is None else np.ascontiguousarray(lanes_last(c)).astype(dtype),
     )
@@ -203,7 +218,8 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     G = -(-N // LANES)
     nb, per_row = K // QBLOCK, K // bs
     affine = qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K)
-    q = aligned_empty((G, nb * 8 * LANES * 4), np.uint8)
+    nibble = qtype in NIBBLE_TYPES
+    q = aligned_empty((G, nb * 8 * LANES * 4 // (2 if nibble else 1)), np.uint8)
     q32 = q.view(np.uint32)  # [G, nb * 8 * 16]: one element = the 4 consecutive K values of one column
     sd = scale_dtype(qtype)
     a = aligned_empty((G, per_row * LANES), sd)
@@ -223,7 +239,12 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
                 u_, a_ = _pad_rows(u_, (g1 - g0) * LANES, 128), _pad_rows(a_, (g1 - g0) * LANES, 0)
                 if c_ is not None:
                     c_ = _pad_rows(c_.astype(np.float32).reshape(n1 - n0, per_row), (g1 - g0) * LANES, 0)
-            _lanes_into(q32[g0:g1], np.ascontiguousarray(u_).view(np.uint32))
+            if nibble:
+                full = np.empty((g1 - g0, nb * 8 * LANES * 4), np.uint8)
+                _lanes_into(full.view(np.uint32), np.ascontiguousarray(u_).view(np.uint32))
+                q[g0:g1] = _nibble_codes(full, not affine)
+            else:
+                _lanes_into(q32[g0:g1], np.ascontiguousarray(u_).view(np.uint32))
             _lanes_into(a[g0:g1], a_)
             if affine:
                 _lanes_into(c[g0:g1], c_.astype(np.float32).reshape(-1, per_row))

@@ -1,14 +1,14 @@
 // Quantized matmul y[M, N] = x[M, K] . W[N, K]^T on the CPU, called from jax.jit through the XLA FFI.
 //
-// Weights (packed once at load by fucina_jax/kernels/pack.py) are byte codes u in 0..255 with one f32 scale a per
-// sub-block of `bs` (16 or 32) values along K and, for affine types, one f32 offset c:
-//     symmetric  w = a * (u - 128)        (Q8_0, Q4_0, Q5_0, Q6_K: the GGUF value exactly)
+// Weights (packed once at load by fucina_jax/kernels/pack.py) are codes u (bytes or 4 bits) with one scale a per
+// sub-block of `bs` (16 or 32) values along K and, for affine types, one offset c:
+//     symmetric  w = a * (u - zero)       (Q8_0, Q4_0, Q5_0, Q6_K: the GGUF value exactly; zero = 128, 8 for 4-bit)
 //     affine     w = a * u + c            (Q4_1, Q5_1, Q4_K, Q5_K)
 // Activations are quantized per row and per 32-block exactly like ggml's q8_0: d = max|x| / 127, xq = round(x / d)
 // (to nearest even), and the block keeps dx = fp16(d), so a Q8_0/Q4_0/Q5_0/Q4_1/Q5_1 product equals llama.cpp's.
 // Per 32-block b of a row and sub-block j, the integer dot I = sum(u * xq) is exact (vpdpbusd: u8 x s8 -> s32), and
 // the float steps are one fixed sequence per output column:
-//     symmetric  acc = fma(dx * a, float(I - 128 * S), acc)          S = sum(xq) over the sub-block
+//     symmetric  acc = fma(dx * a, float(I - zero * S), acc)         S = sum(xq) over the sub-block
 //     affine     acc = fma(dx * a, float(I), acc);  acc = fma(dx * c, float(S), acc)
 // so every output element is bitwise the same whatever M, the row's position in the batch, the thread count or the
 // instruction set (AVX-512 VNNI, AVX2, scalar): the property the speculative decoder's "same stream" rests on.
@@ -16,7 +16,9 @@
 //
 // Layout of one weight: output columns in groups of 16 (one AVX-512 lane each, so no horizontal reductions); per
 // group and per 32-block along K, 8 chunks x 16 lanes x 4 consecutive K values = 512 bytes; scales/offsets are
-// [group][block * (32 / bs) + j][16 lanes].
+// [group][block * (32 / bs) + j][16 lanes], f32 or (types whose file stores fp16 scales) fp16. 4-bit types (Q4_0,
+// Q4_1, Q4_K) keep two codes per byte: 256 bytes per group and block, chunk c in the low (c < 4) or high nibble of
+// double chunk c % 4, split back into bytes with one shift and two ands per 64 bytes.
 
 #include <Python.h>
 
@@ -58,7 +60,7 @@ struct Act {
   std::vector<int8_t> q;     // [nb, M, 32]
   std::vector<float> d;      // [nb, M]
   std::vector<int32_t> s16;  // [nb, M, 2]: sum of xq over each half-block of 16
-  std::vector<int32_t> corr;  // [nb, M, nsub]: per sub-block, 128 * S (symmetric) or the bits of float(S) (affine)
+  std::vector<int32_t> corr;  // [nb, M, nsub]: per sub-block, zero * S (symmetric) or the bits of float(S) (affine)
 
   const int8_t* xq(int64_t r, int64_t b) const { return q.data() + (b * M + r) * kQB; }
   float dx(int64_t r, int64_t b) const { return d[b * M + r]; }
@@ -66,13 +68,13 @@ struct Act {
     const int32_t* s = s16.data() + (b * M + r) * 2;
     return nsub == 2 ? s[j] : s[0] + s[1];
   }
-  void make_corr(int nsub, bool affine) {
+  void make_corr(int nsub, bool affine, int32_t zero) {
     corr.resize(M * nb * nsub);
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t r = 0; r < M; ++r)
         for (int j = 0; j < nsub; ++j) {
           const int32_t S = sum(r, b, j, nsub);
-          int32_t v = 128 * S;
+          int32_t v = zero * S;
           if (affine) {
             const float f = static_cast<float>(S);
             std::memcpy(&v, &f, 4);
@@ -157,6 +159,16 @@ struct Weights {
   int64_t nb;
   int nsub;          // 32 / bs
   bool f16;          // a and c hold fp16 values
+  bool nib;          // 4-bit codes, two per byte (256 bytes per group and block, see code())
+  int32_t zero;      // symmetric types: w = a * (u - zero); 128 for byte codes, 8 for 4-bit ones
+
+  int64_t block_bytes() const { return nib ? kGroupBlockBytes / 2 : kGroupBlockBytes; }
+  // Code of chunk ci (0..7), lane l, value e of a group's block: byte codes are [ci][lane][e]; 4-bit codes keep
+  // chunk ci % 4 of [ci % 4][lane][e] in the low (ci < 4) or high (ci >= 4) nibble.
+  int32_t code(const uint8_t* wb, int ci, int l, int e) const {
+    if (!nib) return wb[(ci * kLanes + l) * 4 + e];
+    return (wb[((ci & 3) * kLanes + l) * 4 + e] >> (4 * (ci >> 2))) & 0x0F;
+  }
 
   // Scale (or offset) i of `p` as f32, exactly (every fp16 value is an f32 value).
   float at(const void* p, int64_t i) const {
@@ -176,21 +188,21 @@ using GroupsFn = void (*)(const Weights&, int64_t g0, int64_t g1, const Act&, fl
 // ------------------------------------------------------------------------------------------------------------------
 
 void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
-  const uint8_t* wq = w.q + g * w.nb * kGroupBlockBytes;
+  const uint8_t* wq = w.q + g * w.nb * w.block_bytes();
   const int64_t s0 = w.base(g);
   const int cps = 8 / w.nsub;  // 4-value chunks per sub-block
   for (int64_t r = r0; r < r1; ++r) {
     for (int l = 0; l < kLanes; ++l) {
       float acc = 0.0f;
       for (int64_t b = 0; b < w.nb; ++b) {
-        const uint8_t* wb = wq + b * kGroupBlockBytes;
+        const uint8_t* wb = wq + b * w.block_bytes();
         const float dx = x.dx(r, b);
         const int8_t* xb = x.xq(r, b);
         for (int j = 0; j < w.nsub; ++j) {
           int32_t I = 0;
           for (int ci = j * cps; ci < (j + 1) * cps; ++ci)
             for (int e = 0; e < 4; ++e)
-              I += static_cast<int32_t>(wb[(ci * kLanes + l) * 4 + e]) * xb[ci * 4 + e];
+              I += w.code(wb, ci, l, e) * xb[ci * 4 + e];
           const int32_t S = x.sum(r, b, j, w.nsub);
           const int64_t si = (b * w.nsub + j) * kLanes + l;
           const float a = w.at(w.a, s0 + si);
@@ -198,7 +210,7 @@ void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
             acc = std::fmaf(dx * a, static_cast<float>(I), acc);
             acc = std::fmaf(dx * w.at(w.c, s0 + si), static_cast<float>(S), acc);
           } else {
-            acc = std::fmaf(dx * a, static_cast<float>(I - 128 * S), acc);
+            acc = std::fmaf(dx * a, static_cast<float>(I - w.zero * S), acc);
           }
         }
       }
@@ -221,7 +233,7 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const Weights& w, c
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, float* out,
                                                    int64_t ldo) {
-  const uint8_t* wq = w.q + g * w.nb * kGroupBlockBytes;
+  const uint8_t* wq = w.q + g * w.nb * w.block_bytes();
   const int64_t s0 = w.base(g);
   const int cps = 8 / w.nsub;
   const __m256i nib = _mm256_set1_epi8(0x0F);
@@ -230,7 +242,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w.nb; ++b) {
-      const uint8_t* wb = wq + b * kGroupBlockBytes + 32 * h;
+      const uint8_t* wb = wq + b * w.block_bytes() + 32 * h;
       for (int j = 0; j < w.nsub; ++j) {
         const int64_t si = (b * w.nsub + j) * kLanes + 8 * h;
         const __m256 a = load8(w, w.a, s0 + si);
@@ -238,7 +250,11 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_
           const int8_t* xb = x.xq(r0 + r, b);
           __m256i I = _mm256_setzero_si256();
           for (int ci = j * cps; ci < (j + 1) * cps; ++ci) {
-            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ci * 64));
+            // 4-bit codes: chunk ci sits in the low (ci < 4) or high nibble of double chunk ci % 4
+            const __m256i u =
+                w.nib ? _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                               wb + (ci & 3) * 64)), 4 * (ci >> 2)), nib)
+                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ci * 64));
             int32_t x4;
             std::memcpy(&x4, xb + ci * 4, 4);
             const __m256i xv = _mm256_set1_epi32(x4);
@@ -256,7 +272,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_
             const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(dx), load8(w, w.c, s0 + si));
             acc[r] = _mm256_fmadd_ps(sc, _mm256_set1_ps(static_cast<float>(S)), acc[r]);
           } else {
-            I = _mm256_sub_epi32(I, _mm256_set1_epi32(128 * S));
+            I = _mm256_sub_epi32(I, _mm256_set1_epi32(w.zero * S));
             acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(I), acc[r]);
           }
         }
@@ -291,9 +307,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) inline __m512 load16(
 template <int R, int NSUB, bool AFFINE>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(const Weights& w, int64_t g, const Act& x,
                                                                              int64_t r0, float* out, int64_t ldo) {
-  const uint8_t* wb = w.q + g * w.nb * kGroupBlockBytes;
+  const int64_t bb = w.block_bytes();
+  const uint8_t* wb = w.q + g * w.nb * bb;
   const int64_t s0 = w.base(g);
   constexpr int cps = 8 / NSUB;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -302,10 +320,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
   const float* dxb = x.d.data() + r0;
   const int32_t* cb = x.corr.data() + r0 * NSUB;
   const int64_t xstep = x.M * kQB, dstep = x.M, cstep = x.M * NSUB;
-  for (int64_t b = 0; b < w.nb; ++b, wb += kGroupBlockBytes, xb += xstep, dxb += dstep, cb += cstep) {
+  for (int64_t b = 0; b < w.nb; ++b, wb += bb, xb += xstep, dxb += dstep, cb += cstep) {
     __m512i wv[8];
+    if (w.nib) {  // chunk i in the low nibbles of double chunk i, chunk i + 4 in its high nibbles
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * i);
+        wv[i] = _mm512_and_si512(v, low4);
+        wv[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    } else {
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) wv[i] = _mm512_loadu_si512(wb + 64 * i);
+      for (int i = 0; i < 8; ++i) wv[i] = _mm512_loadu_si512(wb + 64 * i);
+    }
 #pragma GCC unroll 2
     for (int j = 0; j < NSUB; ++j) {
       const int64_t si = (b * NSUB + j) * kLanes;
@@ -429,7 +456,9 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (bs != 16 && bs != 32) return ffi::Error::InvalidArgument("fucina_qmatmul: bs must be 16 or 32");
   if (K % kQB || N % kLanes) return ffi::Error::InvalidArgument("fucina_qmatmul: K % 32 or N % 16 is not 0");
   const int64_t G = N / kLanes, nb = K / kQB, nsub = kQB / bs;
-  if (static_cast<int64_t>(wq.element_count()) != G * nb * kGroupBlockBytes ||
+  // Byte codes take 512 bytes per group and block, 4-bit codes 256.
+  const bool nib = static_cast<int64_t>(wq.element_count()) == G * nb * kGroupBlockBytes / 2 && G * nb > 0;
+  if ((static_cast<int64_t>(wq.element_count()) != G * nb * kGroupBlockBytes && !nib) ||
       static_cast<int64_t>(wa.element_count()) != G * nb * nsub * kLanes ||
       (wc.element_count() != 0 && static_cast<int64_t>(wc.element_count()) != G * nb * nsub * kLanes))
     return ffi::Error::InvalidArgument("fucina_qmatmul: packed weight sizes do not match x and y");
@@ -440,7 +469,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       (wc.element_count() != 0 && wc.element_type() != wa.element_type()))
     return ffi::Error::InvalidArgument("fucina_qmatmul: scales and offsets must both be f32 or both f16");
   const Weights w{wq.typed_data(), wa.untyped_data(), wc.element_count() ? wc.untyped_data() : nullptr, nb,
-                  static_cast<int>(nsub), f16};
+                  static_cast<int>(nsub), f16, nib, nib ? 8 : 128};
   Act act;
   act.M = M;
   act.K = K;
@@ -450,7 +479,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   act.s16.resize(M * 2 * nb);
   const int isa = current_isa();
   quantize_rows(x.typed_data(), act, isa == 0);
-  act.make_corr(static_cast<int>(nsub), wc.element_count() != 0);
+  act.make_corr(static_cast<int>(nsub), wc.element_count() != 0, w.zero);
   const GroupsFn fn = kIsas[isa].fn;
   float* out = y->typed_data();
   // Column groups in parallel; a group is never split, so results do not depend on the split. (Two groups per pass,
