@@ -398,6 +398,15 @@ def _select(row, V: int, params: SamplerParams, cap: int, finish, top=None):
     return jax.lax.cond(jnp.all(exact), lambda: finish(vals, ids, n, split), full)
 
 
+def _draw(vals, ids, n, split, *, u, temperature):
+    """The sampled id of a row's sorted survivors: inverse CDF in descending order, as llama.cpp's dist walks its
+    (sorted) list: the first entry whose cumulative weight reaches u * total."""
+    cdf = _cumsum_split(_weights(vals, n, temperature), split)
+    target = u * cdf[:, -1]
+    pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
+    return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+
+
 def _zeros_equal(logits: jax.Array) -> jax.Array:
     return jnp.where(logits == 0.0, jnp.float32(0.0), logits)
 
@@ -519,14 +528,7 @@ def sample_rows(
         top = top_k(z, split) if split < V else None
 
         def one(i):
-            def finish(vals, ids, n, split):
-                # Inverse CDF in descending order, as llama.cpp's dist walks its (sorted) list: first entry whose
-                # cumulative weight reaches u * total.
-                cdf = _cumsum_split(_weights(vals, n, params.temperature), split)
-                target = u[i][None] * cdf[:, -1]
-                pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
-                return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
-
+            finish = partial(_draw, u=u[i][None], temperature=params.temperature)
             row = lambda: jax.lax.dynamic_slice_in_dim(z, i, 1)
             row_top = None if top is None else tuple(jax.lax.dynamic_slice_in_dim(t, i, 1) for t in top)
             return _select(row, V, params, cap, finish, row_top)[0]
@@ -543,12 +545,7 @@ def _sample_by_row(logits, positions, history, drafts, params, cap):
     several [R, V] copies without glibc serving fresh pages on every call."""
 
     def row(penalised, u):
-        def finish(vals, ids, n, split):
-            cdf = _cumsum_split(_weights(vals, n, params.temperature), split)
-            target = u * cdf[:, -1]
-            pick = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)
-            return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
-
+        finish = partial(_draw, u=u, temperature=params.temperature)
         if cap == 0:
             return greedy_pick(penalised)
         select = lambda: _select(lambda: _zeros_equal(penalised), penalised.shape[-1], params, cap, finish)

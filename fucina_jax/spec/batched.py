@@ -58,7 +58,7 @@ from fucina_jax.models.config import ModelConfig
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.spec.decoder import SpecStats
 from fucina_jax.spec.gate import MAX_DRAFT, CostGate, SpecOptions, table_cost
-from fucina_jax.spec.steps import TOPK_FEEDBACK
+from fucina_jax.spec.steps import feedback_topk
 
 __all__ = [
     "STEP_WIDTHS",
@@ -122,7 +122,7 @@ def batched_verify_sample_step(
     logits = unembed(params, h, cfg)  # [B, k, V]
     # Row (b, i)'s token lands at stream position in_pos + 1: the plain loop's position for the same prefix.
     sampled = _sample_each(logits, in_pos + 1, history, drafts, sparams, cap)
-    topk = sampling.top_k(logits, min(TOPK_FEEDBACK, logits.shape[-1]))[1].astype(jnp.int32) if wants_topk else None
+    topk = feedback_topk(logits) if wants_topk else None
     return sampled, topk, cache
 
 

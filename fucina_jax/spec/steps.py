@@ -24,7 +24,7 @@ from fucina_jax.models import forward_hidden, unembed
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import ModelConfig
 
-__all__ = ["TOPK_FEEDBACK", "TRACE_COUNTS", "verify_sample_step"]
+__all__ = ["TOPK_FEEDBACK", "TRACE_COUNTS", "feedback_topk", "verify_sample_step"]
 
 # Candidates per verified row handed to DraftSource.observe_topk (the recycling matrix keeps 8 per token).
 TOPK_FEEDBACK = 8
@@ -63,6 +63,11 @@ def verify_sample_step(
     logits = unembed(params, h[0], cfg)  # [k, V]
     # Row i's token lands at stream position (input position + 1): the plain loop's position for the same prefix.
     sampled = sampling.sample_rows(logits, in_pos[0] + 1, history, drafts, sparams, cap=cap)
-    # The recycling candidates come from the raw rows (before penalties), as the design record specifies.
-    topk = sampling.top_k(logits, min(TOPK_FEEDBACK, logits.shape[-1]))[1].astype(jnp.int32) if wants_topk else None
+    topk = feedback_topk(logits) if wants_topk else None
     return sampled, (logits if with_logits else None), topk, cache
+
+
+def feedback_topk(logits: jax.Array) -> jax.Array:
+    """The recycling candidates of each verified row, int32 [..., TOPK_FEEDBACK]: taken from the raw rows (before
+    penalties), as the design record specifies."""
+    return sampling.top_k(logits, min(TOPK_FEEDBACK, logits.shape[-1]))[1].astype(jnp.int32)
