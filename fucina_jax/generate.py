@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from fucina_jax import engine, sampling
 from fucina_jax.errors import ContextFullError
+from fucina_jax.models import fitted_capacity
 from fucina_jax.sampling import SamplerConfig
 
 __all__ = ["GenerationResult", "Generation", "generate", "check_request", "Timer"]
@@ -149,7 +150,7 @@ def _plain_loop(model, prompt, max_tokens, cfg: SamplerConfig, ctx, stops, gen: 
     cap = cfg.candidate_cap(model.config.n_vocab)
     history = sampling.history_from_tokens(prompt, cfg.history_capacity(ctx))
     sparams = cfg.params()
-    cache = model.new_cache(ctx)
+    cache = model.new_cache(fitted_capacity(len(prompt) + max_tokens, ctx))
     tokens: list[int] = []
     stop = "max_tokens"
     if max_tokens > 0:

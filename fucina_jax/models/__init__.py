@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fucina_jax.errors import UnsupportedArchitectureError
 from fucina_jax.models import gemma3, gemma4, llama, qwen3, qwen3moe
-from fucina_jax.models.cache import KVCache, init_cache, truncate
+from fucina_jax.models.cache import KVCache, fitted_capacity, init_cache, truncate
 from fucina_jax.models.config import LayerSpec, ModelConfig
 from fucina_jax.models.layers import unembed
 
@@ -22,6 +22,7 @@ __all__ = [
     "architecture",
     "forward",
     "forward_hidden",
+    "fitted_capacity",
     "init_cache",
     "truncate",
     "unembed",

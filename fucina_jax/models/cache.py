@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from fucina_jax.models.config import ModelConfig
 
-__all__ = ["KVCache", "init_cache", "truncate"]
+__all__ = ["KVCache", "fitted_capacity", "init_cache", "truncate"]
 
 
 @jax.tree_util.register_dataclass
@@ -61,6 +61,29 @@ def init_cache(cfg: ModelConfig, capacity: int, batch: int = 1, dtype=jnp.float3
         ks.append(jnp.zeros((batch, capacity, kh, dh), dtype))
         vs.append(jnp.zeros((batch, capacity, kh, dh), dtype))
     return KVCache(k=tuple(ks), v=tuple(vs), length=jnp.zeros((batch,), jnp.int32))
+
+
+# fitted_capacity's smallest size: one attention chunk (layers.ATTN_CHUNK), so a fitted cache reads its slots in the
+# same chunks as a full-context one.
+FIT_MIN_SLOTS = 256
+
+
+def fitted_capacity(n_positions: int, ctx: int) -> int:
+    """Cache slots for a request whose positions never reach n_positions (prompt + max_tokens): the smallest
+    FIT_MIN_SLOTS * 2^i holding them, never more than ctx.
+
+    A one-shot generation sizes its cache to what it can use instead of the whole context (as mlx-lm grows its
+    cache): Gemma 3 270M's full 4096-slot f32 cache is 151 MB, a 64-token answer to a short prompt needs 256 slots
+    (9 MB). Powers of two keep the number of compiled cache shapes to a handful (each shape compiles its steps
+    once). Attention reads only the chunks that hold visible slots, so the capacity never changes a row's value on
+    the kernels' path; verify rows past the capacity are dropped by write_kv, exactly as at the end of a context.
+    """
+    if n_positions < 1 or ctx < 1:
+        raise ValueError(f"n_positions = {n_positions} and ctx = {ctx}: both must be >= 1")
+    cap = FIT_MIN_SLOTS
+    while cap < n_positions:
+        cap *= 2
+    return min(cap, ctx)
 
 
 def truncate(cache: KVCache, n) -> KVCache:

@@ -40,7 +40,7 @@ from fucina_jax import engine, sampling
 from fucina_jax.errors import ContextFullError, DraftSourceError
 from fucina_jax.generate import Generation, GenerationResult, Timer, check_request
 from fucina_jax.index.protocol import DraftSource
-from fucina_jax.models import truncate
+from fucina_jax.models import fitted_capacity, truncate
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.spec import steps
 from fucina_jax.spec.gate import MAX_DRAFT, CostGate, SpecOptions
@@ -95,7 +95,8 @@ class SpeculativeDecoder:
     Drive it as: `logits = begin(prompt)`, `bootstrap(logits, stops)`, then `step(limit, stops)` until done; each
     returns (committed ids, stopped), where stopped means an id in `stops` was sampled right after them (it is not
     committed). `limit` (>= 1) caps the ids one step may commit. `clock` (ns, e.g. time.perf_counter_ns) turns on
-    the gate's live cost model; `on_verify_row` is the replay-equivalence instrument (VerifyRowHook).
+    the gate's live cost model; `on_verify_row` is the replay-equivalence instrument (VerifyRowHook). `slots` (default
+    ctx) is the KV cache's capacity: generate_speculative fits it to prompt + max_tokens (models.fitted_capacity).
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class SpeculativeDecoder:
         options: SpecOptions | None = None,
         clock: Callable[[], int] | None = None,
         on_verify_row: VerifyRowHook | None = None,
+        slots: int | None = None,
     ):
         self.model = model
         self.source = source
@@ -115,6 +117,7 @@ class SpeculativeDecoder:
         self.gate = CostGate(self.options)
         self.sampler = (sampler or SamplerConfig()).validate()  # a concrete seed, fixed for the whole run
         self.ctx = int(ctx or model.default_ctx)
+        self.slots = min(int(slots or self.ctx), self.ctx)  # KV cache capacity: a one-shot run fits it to its need
         self.clock = clock
         self.on_verify_row = on_verify_row
         self.stats = SpecStats()
@@ -140,7 +143,7 @@ class SpeculativeDecoder:
         self.n = int(prompt.size)
         self.history = sampling.history_from_tokens(prompt.tolist(), self.sampler.history_capacity(self.ctx))
         self.cache = None
-        logits, self.cache = self.model.prefill(prompt, self.model.new_cache(self.ctx))
+        logits, self.cache = self.model.prefill(prompt, self.model.new_cache(self.slots))
         self._cache_len = self.n  # the prompt's last token is in the cache until the first token is committed
         self.source.observe(prompt)
         return logits
@@ -175,6 +178,9 @@ class SpeculativeDecoder:
             raise RuntimeError("call begin() (and bootstrap()) before step()")
         if limit < 1:
             raise ValueError(f"limit = {limit}: a step commits at least one token")
+        if self.n > self.slots:
+            raise ContextFullError(f"the KV cache's {self.slots} slots are full ({self.n} tokens committed)")
+        limit = min(limit, self.slots + 1 - self.n)  # a step writes positions n-1 .. n+limit-2 into the cache
         stops = frozenset(stops)
         o = self.options
         st = self.stats
@@ -397,7 +403,8 @@ def generate_speculative(
             ids = model.tokenizer.encode(doc, add_special=False) if isinstance(doc, str) else doc
             source.add_reference(np.asarray(list(ids), np.int32))
     tick = time.perf_counter_ns if clock is True else (clock or None)
-    decoder = SpeculativeDecoder(model, source, sampler=cfg, ctx=ctx, options=options, clock=tick)
+    decoder = SpeculativeDecoder(model, source, sampler=cfg, ctx=ctx, options=options, clock=tick,
+                                 slots=fitted_capacity(len(prompt) + max_tokens, ctx))
     gen = Generation(iter(()))
     gen._it = _spec_loop(model, decoder, prompt, max_tokens, ctx, stops, gen)
     gen.decoder = decoder

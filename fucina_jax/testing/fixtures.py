@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["FixtureSpec", "FIXTURES", "write_fixture", "byte_level_vocab", "smollm2_path"]
+__all__ = ["FixtureSpec", "FIXTURES", "GEMMA3_1B_SHAPE", "write_fixture", "byte_level_vocab", "smollm2_path"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class FixtureSpec:
     window: int = 0
     tied: bool = True
     extra_kv: tuple = field(default=())  # extra (key, value) metadata
+    n_vocab: int = 320
 
 
 FIXTURES = {
@@ -44,6 +45,11 @@ FIXTURES = {
     "llama": FixtureSpec("llama", rope_base=10000.0, head_dim=16),
     "gemma3": FixtureSpec("gemma3", n_layer=7, window=8, rope_base=1_000_000.0),
 }
+
+# Gemma 3 1B's shapes (26 layers, 1152 wide, 262144-token vocab; ~1.0 GB in Q8_0, ~0.6 GB in Q4_0): with
+# write_fixture(..., random_codes=True), a model of a real size for memory and speed benchmarks.
+GEMMA3_1B_SHAPE = FixtureSpec("gemma3", n_embd=1152, n_layer=26, n_head=4, n_kv=1, head_dim=256, n_ff=6912, ctx=32768,
+                              window=512, n_vocab=262144)
 
 SPECIALS = {
     # family -> special tokens appended after the byte tokens and merges (control type)
@@ -87,11 +93,40 @@ def byte_level_vocab(family: str = "qwen", n_vocab: int = 320):
     return tokens, types, merges, special_ids
 
 
-def _weights(spec: FixtureSpec, n_vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+@dataclass(frozen=True)
+class RandomBlocks:
+    """A quantized tensor drawn directly as random blocks (codes uniform, one fp16 scale for a given std): no f32
+    copy, so a GB-sized model is written in seconds. data: uint8 [rows, row bytes] as GGUF stores it."""
+
+    data: np.ndarray
+    qtype: str
+
+
+# code standard deviation of uniform random bytes per type: Q8_0 codes are int8, Q4_0 codes are nibbles - 8
+_CODE_STD = {"Q8_0": float(np.sqrt((256**2 - 1) / 12)), "Q4_0": float(np.sqrt((16**2 - 1) / 12))}
+_BLOCK_BYTES = {"Q8_0": 32, "Q4_0": 16}
+
+
+def random_blocks(rng: np.random.Generator, shape: tuple[int, int], std: float, qtype: str) -> RandomBlocks:
+    if qtype not in _CODE_STD:
+        raise ValueError(f"random_codes supports {sorted(_CODE_STD)}, not {qtype}")
+    rows, cols = shape
+    if cols % 32:
+        raise ValueError(f"{qtype} rows need a multiple of 32 values, got {cols}")
+    nb, code_bytes = cols // 32, _BLOCK_BYTES[qtype]
+    blocks = np.empty((rows, nb, 2 + code_bytes), np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(std / _CODE_STD[qtype]).tobytes(), np.uint8)
+    blocks[..., 2:] = np.frombuffer(rng.bytes(rows * nb * code_bytes), np.uint8).reshape(rows, nb, code_bytes)
+    return RandomBlocks(blocks.reshape(rows, -1), qtype)
+
+
+def _weights(spec: FixtureSpec, n_vocab: int, rng: np.random.Generator, random_codes: str | None = None) -> dict:
     D, H, K, Dh, F = spec.n_embd, spec.n_head, spec.n_kv, spec.head_dim, spec.n_ff
     gemma = spec.arch.startswith("gemma")
 
     def mat(n_out, n_in, scale=1.0):
+        if random_codes:
+            return random_blocks(rng, (n_out, n_in), scale / np.sqrt(n_in), random_codes)
         return (rng.standard_normal((n_out, n_in)) * scale / np.sqrt(n_in)).astype(np.float32)
 
     def norm(n):
@@ -100,7 +135,10 @@ def _weights(spec: FixtureSpec, n_vocab: int, rng: np.random.Generator) -> dict[
 
     # Tied output: logits = h . token_embd rows with h ~ unit RMS, so an embedding std of 0.3 spreads logits over
     # ~0.3 * sqrt(D) units (2.4 at D = 64). Gemma multiplies embeddings by sqrt(D) on input, others use them as is.
-    t = {"token_embd.weight": (rng.standard_normal((n_vocab, D)) * 0.3).astype(np.float32)}
+    if random_codes:
+        t = {"token_embd.weight": random_blocks(rng, (n_vocab, D), 0.3, random_codes)}
+    else:
+        t = {"token_embd.weight": (rng.standard_normal((n_vocab, D)) * 0.3).astype(np.float32)}
     t["output_norm.weight"] = norm(D)
     if not spec.tied:
         t["output.weight"] = mat(n_vocab, D, 3.0)
@@ -142,6 +180,9 @@ def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str | None = None
     t = gguf.GGMLQuantizationType[qtype] if qtype else None
     block = gguf.GGML_QUANT_SIZES[t][0] if t is not None else 0
     for name, arr in tensors.items():
+        if isinstance(arr, RandomBlocks):
+            writer.add_tensor(name, arr.data, raw_dtype=gguf.GGMLQuantizationType[arr.qtype])
+            continue
         key = name.split(".")[-2]
         if t is not None and arr.ndim == 2 and key in PACKED_KEYS and arr.shape[1] % block == 0:
             writer.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
@@ -150,17 +191,21 @@ def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str | None = None
 
 
 def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, spec: FixtureSpec | None = None,
-                  qtype: str | None = None) -> str:
+                  qtype: str | None = None, random_codes: bool = False) -> str:
     """Write the tiny random model `kind` (a key of FIXTURES, or `spec`) to path; returns the path. `qtype`
-    quantizes the matmul weights (see add_tensors); default F32."""
+    quantizes the matmul weights (see add_tensors); default F32. random_codes (with qtype Q8_0 or Q4_0) draws the
+    matmul weights and the embedding directly as random blocks (RandomBlocks): for big shapes such as
+    GEMMA3_1B_SHAPE, where quantizing f32 weights would take minutes and gigabytes."""
+    if random_codes and qtype is None:
+        raise ValueError("random_codes needs a qtype (Q8_0 or Q4_0)")
     import gguf
 
     spec = spec or FIXTURES[kind]
     arch = spec.arch
     family = "gemma" if arch.startswith("gemma") else "qwen"
-    tokens, types, merges, special = byte_level_vocab(family)
+    tokens, types, merges, special = byte_level_vocab(family, spec.n_vocab)
     rng = np.random.default_rng(seed)
-    tensors = _weights(spec, len(tokens), rng)
+    tensors = _weights(spec, len(tokens), rng, qtype if random_codes else None)
 
     path = os.fspath(path)
     w = gguf.GGUFWriter(path, arch)
