@@ -177,7 +177,7 @@ def test_leading_axes_and_jit_in_user_code():
     np.testing.assert_array_equal(got.reshape(6, n), flat)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q4_1, T.Q5_0, T.Q5_K], ids=lambda t: t.name)
 def test_take_rows_equals_dequantized_rows(qtype):
     n, k = shape_for(qtype)
     raw = random_tensor(qtype, n, k, seed=11)

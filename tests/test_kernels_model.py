@@ -142,8 +142,12 @@ def test_packed_weights_refuse_to_be_sharded(quantized):
         shard_model(fast, make_mesh(1))
 
 
-def test_memory_of_packed_weights(gemma3):
-    """The packed weights of the embedded model take ~1.2 bytes per value, not f32's 4."""
+def test_memory_of_packed_weights(gemma3, gemma3_path):
+    """The packed weights of the embedded model take no more bytes than its GGUF file (Q8_0 and Q5_0 codes and
+    scales exactly the file's size; measured 252.9 MB packed against a 253.1 MB file; 280 MB before 5- and 6-bit
+    codes had bit planes), not f32's 4 bytes per value."""
+    import os
+
     import jax
 
     n_values = sum(w.n * w.k for w in jax.tree_util.tree_leaves(
@@ -151,7 +155,7 @@ def test_memory_of_packed_weights(gemma3):
     n_bytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(
         gemma3.params, is_leaf=lambda x: isinstance(x, kernels.QWeight)) if isinstance(w, kernels.QWeight))
     assert n_values > 250e6
-    assert n_bytes / n_values < 1.3
+    assert n_bytes <= os.path.getsize(gemma3_path)
 
 
 @pytest.mark.parametrize("path_kind", ["kernels", "f32"])

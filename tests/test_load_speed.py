@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES
 import fucina_jax
 from fucina_jax import gguf_io, kernels
 from fucina_jax.errors import GGUFError
-from fucina_jax.kernels.pack import (NIBBLE_TYPES, PACKED_TYPES, aligned_empty, decode_codes, pack_codes, pack_tensor,
+from fucina_jax.kernels.pack import (CODE_BITS, PACKED_TYPES, aligned_empty, decode_codes, pack_codes, pack_tensor,
                                      scale_dtype)
 from test_kernels import random_tensor
 
@@ -34,7 +34,7 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels not 
 
 def reference_pack(raw, qtype, shape):
     u, a, c, bs = decode_codes(raw, qtype, shape)
-    return (*pack_codes(u, a, c, bs, scale_dtype(qtype), qtype in NIBBLE_TYPES), bs)
+    return (*pack_codes(u, a, c, bs, scale_dtype(qtype), CODE_BITS[qtype]), bs)
 
 
 def assert_same_bytes(got, want):

@@ -1,6 +1,7 @@
 """Quantized CPU kernels inside jax.jit: the fast path for GGUF weights.
 
-A `QWeight` is a weight packed once at load (pack.py) and kept at ~1.06-1.25 bytes per value instead of f32's 4.
+A `QWeight` is a weight packed once at load (pack.py) and kept at 0.56-1.06 bytes per value (about the file's) instead of
+f32's 4.
 `qlinear(x, w)` multiplies through the XLA FFI target `fucina_qmatmul` (qmatmul.cc): activations quantized per
 32-block to int8 like llama.cpp's q8_0, exact integer dot products, a fixed float sequence per output, so each row
 of the result is bitwise independent of how many rows are computed with it. `take_rows(w, ids)` gathers embedding
@@ -77,7 +78,7 @@ def set_isa(name: str) -> None:
 class QWeight:
     """A [n, k] weight (GGUF/PyTorch (out, in) order) in the kernels' packed layout (see pack.py)."""
 
-    q: jax.Array  # uint8 [G, k/32 * 512], or [G, k/32 * 256] for 4-bit codes (pack.py)
+    q: jax.Array  # uint8 [G, k/32 * 64 * bits] (pack.py: bytes, or nibbles + bit planes)
     a: jax.Array  # f16 or f32 [G, k/bs * 16] (pack.scale_dtype)
     c: jax.Array  # same as a (affine types) or [0] (symmetric types)
     n: int = dataclasses.field(metadata=dict(static=True))
@@ -90,9 +91,9 @@ class QWeight:
         return (self.n, self.k)
 
     @property
-    def nibble(self) -> bool:
-        """4-bit codes, two per byte (pack.NIBBLE_TYPES)."""
-        return self.q.shape[-1] * 2 == (self.k // QBLOCK) * 8 * LANES * 4
+    def bits(self) -> int:
+        """Bits per code (pack.CODE_BITS): 8, or 4-6 stored as nibbles + bit planes."""
+        return self.q.shape[-1] // (self.k // QBLOCK * 64)
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +115,7 @@ def concat_weights(ws: list[QWeight]) -> QWeight | None:
     first = ws[0]
     affine = first.c.size > 0
     if any(w.k != first.k or w.bs != first.bs or (w.c.size > 0) != affine or w.a.dtype != first.a.dtype
-           or w.nibble != first.nibble or w.n % LANES for w in ws):
+           or w.bits != first.bits or w.n % LANES for w in ws):
         return None
     if isinstance(first.q, jax.Array):
         cat = jnp.concatenate
@@ -146,16 +147,22 @@ def qlinear(x: jax.Array, w: QWeight) -> jax.Array:
 
 def take_rows(w: QWeight, ids: jax.Array) -> jax.Array:
     """Rows ids [...] of the weight as f32 [..., k] (an embedding lookup), dequantized from the packed codes."""
-    G, nb = w.q.shape[0], w.k // QBLOCK
+    G, nb, bits = w.q.shape[0], w.k // QBLOCK, w.bits
     g, lane = ids // LANES, ids % LANES
-    if w.nibble:  # chunks c and c + 4 share double chunk c: low and high nibble
-        v = w.q.reshape(G, nb, 4, LANES, 4)[g, :, :, lane, :]
-        u = jnp.concatenate([v & 0x0F, v >> 4], axis=-2).reshape(*ids.shape, w.k)
+    blocks = w.q.reshape(G, nb, 64 * bits)
+    if bits < 8:  # chunks c and c + 4 share double chunk c: low and high nibble; then one plane per higher bit
+        v = blocks[:, :, :256].reshape(G, nb, 4, LANES, 4)[g, :, :, lane, :]
+        u = jnp.concatenate([v & 0x0F, v >> 4], axis=-2)  # [..., nb, 8, 4]
+        bit = (lane % 2)[..., None, None, None] * 4 + jnp.arange(4)  # code p = lane * 4 + e: bit p % 8 of byte p // 8
+        for k in range(4, bits):
+            plane = blocks[:, :, 256 + 64 * (k - 4):256 + 64 * (k - 3)].reshape(G, nb, 8, 8)[g, :, :, lane // 2]
+            u = u | (((plane[..., None] >> bit) & 1) << k).astype(jnp.uint8)
+        u = u.reshape(*ids.shape, w.k)
     else:
-        u = w.q.reshape(G, nb, 8, LANES, 4)[g, :, :, lane, :].reshape(*ids.shape, w.k)
+        u = blocks.reshape(G, nb, 8, LANES, 4)[g, :, :, lane, :].reshape(*ids.shape, w.k)
     a = jnp.repeat(w.a.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32), w.bs, axis=-1)
     if w.c.size == 0:
-        return (u.astype(jnp.float32) - jnp.float32(8 if w.nibble else 128)) * a
+        return (u.astype(jnp.float32) - jnp.float32(128 if bits == 8 else 1 << (bits - 1))) * a
     c = jnp.repeat(w.c.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32), w.bs, axis=-1)
     return u.astype(jnp.float32) * a + c
 

@@ -14,14 +14,18 @@ Q4_0, Q5_0, Q4_1, Q5_1; else f32):
   Q4_K   32  affine     q            d * sc         -(dmin * m)
   Q5_K   32  affine     q            d * sc         -(dmin * m)
 
-(`d * sc` is the float product ggml computes, so nothing is rounded that was not rounded before.) Bytes per weight:
-1.0625 (fp16 symmetric), 1.125 (fp16 affine), 1.25 (K-quants), against the file's 0.56-1.06: the price of one
-kernel with one code width; see docs/performance.md. Other types (Q2_K, Q3_K, i-quants, floats) stay on the f32
-path.
+(`d * sc` is the float product ggml computes, so nothing is rounded that was not rounded before.) Codes are stored
+in as many bits as the type has (CODE_BITS): a 32-block of a 16-column group takes 64 * bits bytes. Bytes per weight
+(codes + scales): Q8_0 1.0625, Q4_0 0.5625, Q5_0 0.6875 (each exactly the file's), Q4_1 0.625, Q5_1 0.75, Q4_K 0.75,
+Q5_K 0.875, Q6_K 1.0 (f32 K-quant scales: 0.125 per weight more than the file's, 0.25 for Q6_K's 16-blocks); see
+docs/performance.md. Other types (Q2_K, Q3_K, i-quants, floats) stay on the f32 path.
 
 Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
-  q uint8 [G, nb * 512]      per group and block: 8 chunks x 16 columns x 4 consecutive K values
-          [G, nb * 256]      4-bit types (NIBBLE_TYPES): chunk c in the low / high nibble of double chunk c % 4
+  q uint8 [G, nb * 64 * bits]  per group and block, 8 chunks x 16 columns x 4 consecutive K values = 512 codes:
+        8 bits: one byte per code, chunk by chunk (512 bytes);
+        4-6 bits: 256 bytes of low nibbles (chunk c in the low (c < 4) or high nibble of double chunk c % 4), then
+        one 64-byte plane per bit above the fourth: 8 bytes per chunk, bit p (little-endian) = that bit of code p of
+        the chunk (p = column * 4 + value). Symmetric codes are stored as q with zero 2^(bits-1) (8, 16, 32).
   a f16/f32 [G, nb * 32/bs * 16]  per group: [sub-block][column]
   c f16/f32 same as a (affine) or [0] (symmetric)
 """
@@ -33,8 +37,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes
 
-__all__ = ["F16_SCALE_TYPES", "LANES", "NIBBLE_TYPES", "PACKED_TYPES", "QBLOCK", "aligned_empty", "decode_codes", "pack_codes",
-           "pack_tensor", "scale_dtype", "unpack_values"]
+__all__ = ["CODE_BITS", "F16_SCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty", "decode_codes",
+           "pack_codes", "pack_tensor", "scale_dtype", "unpack_values"]
 
 T = GGMLQuantizationType
 LANES = 16  # output columns per group: one AVX-512 lane each
@@ -112,22 +116,27 @@ PACKED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DECODERS)
 F16_SCALE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
 
 
-# Types whose codes fit 4 bits (u = q, or q + 120 for Q4_0's symmetric form): two codes per byte, 256 bytes per group
-# and 32-block instead of 512 (Q4_K: 0.75 bytes per weight instead of 1.25). Chunk c of a block sits in the low
-# (c < 4) or high (c >= 4) nibble of double chunk c % 4; symmetric codes are stored as q with zero 8.
-NIBBLE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+# Bits per code of each type. Fewer bits than a byte are stored as a 4-bit nibble plus one bit plane per bit above
+# (layout in the module docstring): Q4_K 0.75 bytes per weight instead of 1.25, Q5_0 0.6875 instead of 1.0625.
+CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6}
 
 
 def scale_dtype(qtype) -> np.dtype:
     return np.dtype(np.float16 if qtype in F16_SCALE_TYPES else np.float32)
 
 
-def _nibble_codes(q: np.ndarray, symmetric: bool) -> np.ndarray:
-    """Byte-code layout [G, nb * 512] -> 4-bit layout [G, nb * 256] (symmetric codes q + 120 become q; the padding
-    code 128 becomes the zero code)."""
-    codes = (q - np.uint8(120 if symmetric else 0)) & np.uint8(0x0F)
-    v = codes.reshape(q.shape[0], -1, 2, 256)
-    return (v[:, :, 0] | (v[:, :, 1] << np.uint8(4))).reshape(q.shape[0], -1)
+def _narrow_codes(q: np.ndarray, bits: int, symmetric: bool) -> np.ndarray:
+    """Byte-code layout [G, nb * 512] -> the `bits`-bit layout [G, nb * 64 * bits]: nibbles, then bit planes.
+    Symmetric codes q - zero + 128 become q (zero 2^(bits-1)); the padding code 128 becomes the zero code."""
+    G = q.shape[0]
+    codes = q - np.uint8(128 - (1 << (bits - 1)) if symmetric else 0)
+    v = codes.reshape(G, -1, 2, 256)  # chunks 0-3 | chunks 4-7 of each block
+    parts = [((v[:, :, 0] & np.uint8(0x0F)) | (v[:, :, 1] << np.uint8(4)))]
+    chunks = codes.reshape(G, -1, 8, 64)
+    for k in range(4, bits):  # plane k: bit k of each code, 64 codes of a chunk into 8 bytes
+        parts.append(np.packbits((chunks >> np.uint8(k)) & np.uint8(1), axis=-1, bitorder="little").reshape(
+            G, -1, 64))
+    return np.concatenate(parts, axis=-1).reshape(G, -1)
 
 
 def decode_codes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
@@ -153,7 +162,7 @@ def unpack_values(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int) -
     return u.astype(np.float32) * a + np.repeat(c, bs, axis=-1)
 
 
-def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int, dtype=np.float32, nibble=False):
+def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int, dtype=np.float32, bits: int = 8):
     """Codes [N, K] + scales [N, K/bs] -> the kernel layout (q, a, c), columns padded to a multiple of 16. The plain
     statement of the layout: pack_tensor computes the same bytes faster, and the tests hold it to this."""
     N, K = u.shape
@@ -171,7 +180,7 @@ def pack_codes(u: np.ndarray, a: np.ndarray, c: np.ndarray | None, bs: int, dtyp
         return s.reshape(G, LANES, -1).transpose(0, 2, 1).reshape(G, -1)
 
     return (
-        np.ascontiguousarray(_nibble_codes(q, c is None) if nibble else q),
+        np.ascontiguousarray(_narrow_codes(q, bits, c is None) if bits < 8 else q),
         np.ascontiguousarray(lanes_last(a)).astype(dtype),
         np.zeros((0,), dtype) if c is None else np.ascontiguousarray(lanes_last(c)).astype(dtype),
     )
@@ -218,8 +227,8 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     G = -(-N // LANES)
     nb, per_row = K // QBLOCK, K // bs
     affine = qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K)
-    nibble = qtype in NIBBLE_TYPES
-    q = aligned_empty((G, nb * 8 * LANES * 4 // (2 if nibble else 1)), np.uint8)
+    bits = CODE_BITS[qtype]
+    q = aligned_empty((G, nb * 64 * bits), np.uint8)
     q32 = q.view(np.uint32)  # [G, nb * 8 * 16]: one element = the 4 consecutive K values of one column
     sd = scale_dtype(qtype)
     a = aligned_empty((G, per_row * LANES), sd)
@@ -239,10 +248,10 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
                 u_, a_ = _pad_rows(u_, (g1 - g0) * LANES, 128), _pad_rows(a_, (g1 - g0) * LANES, 0)
                 if c_ is not None:
                     c_ = _pad_rows(c_.astype(np.float32).reshape(n1 - n0, per_row), (g1 - g0) * LANES, 0)
-            if nibble:
+            if bits < 8:
                 full = np.empty((g1 - g0, nb * 8 * LANES * 4), np.uint8)
                 _lanes_into(full.view(np.uint32), np.ascontiguousarray(u_).view(np.uint32))
-                q[g0:g1] = _nibble_codes(full, not affine)
+                q[g0:g1] = _narrow_codes(full, bits, not affine)
             else:
                 _lanes_into(q32[g0:g1], np.ascontiguousarray(u_).view(np.uint32))
             _lanes_into(a[g0:g1], a_)

@@ -1,8 +1,8 @@
 // Quantized matmul y[M, N] = x[M, K] . W[N, K]^T on the CPU, called from jax.jit through the XLA FFI.
 //
-// Weights (packed once at load by fucina_jax/kernels/pack.py) are codes u (bytes or 4 bits) with one scale a per
+// Weights (packed once at load by fucina_jax/kernels/pack.py) are codes u of 4, 5, 6 or 8 bits with one scale a per
 // sub-block of `bs` (16 or 32) values along K and, for affine types, one offset c:
-//     symmetric  w = a * (u - zero)       (Q8_0, Q4_0, Q5_0, Q6_K: the GGUF value exactly; zero = 128, 8 for 4-bit)
+//     symmetric  w = a * (u - zero)       (Q8_0, Q4_0, Q5_0, Q6_K: the GGUF value exactly; zero = 2^(bits-1))
 //     affine     w = a * u + c            (Q4_1, Q5_1, Q4_K, Q5_K)
 // Activations are quantized per row and per 32-block exactly like ggml's q8_0: d = max|x| / 127, xq = round(x / d)
 // (to nearest even), and the block keeps dx = fp16(d), so a Q8_0/Q4_0/Q5_0/Q4_1/Q5_1 product equals llama.cpp's.
@@ -16,9 +16,10 @@
 //
 // Layout of one weight: output columns in groups of 16 (one AVX-512 lane each, so no horizontal reductions); per
 // group and per 32-block along K, 8 chunks x 16 lanes x 4 consecutive K values = 512 bytes; scales/offsets are
-// [group][block * (32 / bs) + j][16 lanes], f32 or (types whose file stores fp16 scales) fp16. 4-bit types (Q4_0,
-// Q4_1, Q4_K) keep two codes per byte: 256 bytes per group and block, chunk c in the low (c < 4) or high nibble of
-// double chunk c % 4, split back into bytes with one shift and two ands per 64 bytes.
+// [group][block * (32 / bs) + j][16 lanes], f32 or (types whose file stores fp16 scales) fp16. Codes of fewer than
+// 8 bits take 64 * bits bytes per group and block: 256 bytes of nibbles (chunk c in the low (c < 4) or high nibble
+// of double chunk c % 4, split back into bytes with one shift and two ands per 64 bytes), then a 64-byte plane per
+// higher bit (8 bytes per chunk: bit p = that bit of the chunk's byte p), added back with one masked byte add.
 
 #include <Python.h>
 
@@ -45,7 +46,6 @@ namespace {
 
 constexpr int kLanes = 16;       // output columns per group
 constexpr int kQB = 32;          // activation quantization block
-constexpr int kGroupBlockBytes = kQB * kLanes;  // 512
 
 // 4 activation bytes read as one int32 for a broadcast (unaligned, may alias int8 data).
 typedef int32_t i32u __attribute__((aligned(1), may_alias));
@@ -153,21 +153,26 @@ void quantize_rows(const float* x, Act& a, bool avx512) {
 }
 
 struct Weights {
-  const uint8_t* q;  // [G, nb, 512]
+  const uint8_t* q;  // [G, nb, 64 * bits]
   const void* a;     // [G, nb * nsub, 16], f32 or (f16: the file's own fp16 block scales) f16
   const void* c;     // same, affine only (else null)
   int64_t nb;
   int nsub;          // 32 / bs
   bool f16;          // a and c hold fp16 values
-  bool nib;          // 4-bit codes, two per byte (256 bytes per group and block, see code())
-  int32_t zero;      // symmetric types: w = a * (u - zero); 128 for byte codes, 8 for 4-bit ones
+  int bits;          // bits per code: 8 (one byte each), or 4..6 (nibbles + bits - 4 planes, see code())
+  int32_t zero;      // symmetric types: w = a * (u - zero), zero = 2^(bits - 1)
 
-  int64_t block_bytes() const { return nib ? kGroupBlockBytes / 2 : kGroupBlockBytes; }
-  // Code of chunk ci (0..7), lane l, value e of a group's block: byte codes are [ci][lane][e]; 4-bit codes keep
-  // chunk ci % 4 of [ci % 4][lane][e] in the low (ci < 4) or high (ci >= 4) nibble.
+  int64_t block_bytes() const { return 64 * bits; }
+  int planes() const { return bits == 8 ? 0 : bits - 4; }
+  // Code of chunk ci (0..7), lane l, value e of a group's block: byte codes are [ci][lane][e]; narrower codes keep
+  // chunk ci % 4 of [ci % 4][lane][e] in the low (ci < 4) or high (ci >= 4) nibble, and bit 4 + k in plane k:
+  // bit p % 8 of byte 256 + 64 k + 8 ci + p / 8, p = lane * 4 + e.
   int32_t code(const uint8_t* wb, int ci, int l, int e) const {
-    if (!nib) return wb[(ci * kLanes + l) * 4 + e];
-    return (wb[((ci & 3) * kLanes + l) * 4 + e] >> (4 * (ci >> 2))) & 0x0F;
+    if (bits == 8) return wb[(ci * kLanes + l) * 4 + e];
+    int32_t u = (wb[((ci & 3) * kLanes + l) * 4 + e] >> (4 * (ci >> 2))) & 0x0F;
+    const int p = l * 4 + e;
+    for (int k = 0; k < planes(); ++k) u |= ((wb[256 + 64 * k + 8 * ci + p / 8] >> (p % 8)) & 1) << (4 + k);
+    return u;
   }
 
   // Scale (or offset) i of `p` as f32, exactly (every fp16 value is an f32 value).
@@ -238,11 +243,16 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_
   const int cps = 8 / w.nsub;
   const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
+  // plane bits -> bytes: byte i of a 32-byte half takes bit i % 8 of byte i / 8 of the half's 4 plane bytes
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+  const __m256i bitsel = _mm256_set1_epi64x(0x8040201008040201LL);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w.nb; ++b) {
-      const uint8_t* wb = wq + b * w.block_bytes() + 32 * h;
+      const uint8_t* blk = wq + b * w.block_bytes();
+      const uint8_t* wb = blk + 32 * h;
       for (int j = 0; j < w.nsub; ++j) {
         const int64_t si = (b * w.nsub + j) * kLanes + 8 * h;
         const __m256 a = load8(w, w.a, s0 + si);
@@ -251,10 +261,17 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_
           __m256i I = _mm256_setzero_si256();
           for (int ci = j * cps; ci < (j + 1) * cps; ++ci) {
             // 4-bit codes: chunk ci sits in the low (ci < 4) or high nibble of double chunk ci % 4
-            const __m256i u =
-                w.nib ? _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                                               wb + (ci & 3) * 64)), 4 * (ci >> 2)), nib)
-                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ci * 64));
+            __m256i u =
+                w.bits < 8 ? _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                                    wb + (ci & 3) * 64)), 4 * (ci >> 2)), nib)
+                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ci * 64));
+            for (int k = 0; k < w.planes(); ++k) {
+              int32_t p4;
+              std::memcpy(&p4, blk + 256 + 64 * k + 8 * ci + 4 * h, 4);
+              const __m256i set = _mm256_cmpeq_epi8(
+                  _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(p4), spread), bitsel), bitsel);
+              u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(static_cast<char>(16 << k))));
+            }
             int32_t x4;
             std::memcpy(&x4, xb + ci * 4, 4);
             const __m256i xv = _mm256_set1_epi32(x4);
@@ -322,12 +339,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
   const int64_t xstep = x.M * kQB, dstep = x.M, cstep = x.M * NSUB;
   for (int64_t b = 0; b < w.nb; ++b, wb += bb, xb += xstep, dxb += dstep, cb += cstep) {
     __m512i wv[8];
-    if (w.nib) {  // chunk i in the low nibbles of double chunk i, chunk i + 4 in its high nibbles
+    if (w.bits < 8) {  // chunk i in the low nibbles of double chunk i, chunk i + 4 in its high nibbles
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * i);
         wv[i] = _mm512_and_si512(v, low4);
         wv[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int k = 0; k < w.planes(); ++k) {  // + 16 << k where the plane's bit is set
+        const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << k));
+        const uint8_t* pl = wb + 256 + 64 * k;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          uint64_t m;
+          std::memcpy(&m, pl + 8 * i, 8);
+          wv[i] = _mm512_mask_add_epi8(wv[i], _cvtu64_mask64(m), wv[i], add);
+        }
       }
     } else {
 #pragma GCC unroll 8
@@ -456,9 +483,11 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (bs != 16 && bs != 32) return ffi::Error::InvalidArgument("fucina_qmatmul: bs must be 16 or 32");
   if (K % kQB || N % kLanes) return ffi::Error::InvalidArgument("fucina_qmatmul: K % 32 or N % 16 is not 0");
   const int64_t G = N / kLanes, nb = K / kQB, nsub = kQB / bs;
-  // Byte codes take 512 bytes per group and block, 4-bit codes 256.
-  const bool nib = static_cast<int64_t>(wq.element_count()) == G * nb * kGroupBlockBytes / 2 && G * nb > 0;
-  if ((static_cast<int64_t>(wq.element_count()) != G * nb * kGroupBlockBytes && !nib) ||
+  // 64 * bits bytes per group and block: bits 8 (bytes), or 4..6 (nibbles + planes)
+  const int64_t per_block = G * nb > 0 ? static_cast<int64_t>(wq.element_count()) / (G * nb) : 512;
+  const int bits = static_cast<int>(per_block / 64);
+  if (static_cast<int64_t>(wq.element_count()) != G * nb * per_block || per_block % 64 ||
+      !(bits == 8 || (bits >= 4 && bits <= 6)) ||
       static_cast<int64_t>(wa.element_count()) != G * nb * nsub * kLanes ||
       (wc.element_count() != 0 && static_cast<int64_t>(wc.element_count()) != G * nb * nsub * kLanes))
     return ffi::Error::InvalidArgument("fucina_qmatmul: packed weight sizes do not match x and y");
@@ -469,7 +498,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       (wc.element_count() != 0 && wc.element_type() != wa.element_type()))
     return ffi::Error::InvalidArgument("fucina_qmatmul: scales and offsets must both be f32 or both f16");
   const Weights w{wq.typed_data(), wa.untyped_data(), wc.element_count() ? wc.untyped_data() : nullptr, nb,
-                  static_cast<int>(nsub), f16, nib, nib ? 8 : 128};
+                  static_cast<int>(nsub), f16, bits, 1 << (bits - 1)};
   Act act;
   act.M = M;
   act.K = K;

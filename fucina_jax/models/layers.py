@@ -216,13 +216,15 @@ FUSIBLE = (("attn_q", "attn_k", "attn_v"), ("attn_q", "attn_k"), ("ffn_gate", "f
 
 
 def project(x: jax.Array, p: dict, keys: tuple[str, ...]) -> list[jax.Array]:
-    """[linear(x, p[key]) for key in keys], through the fused weight "+".join(keys) when the layer has one."""
-    fused = p.get("+".join(keys))
-    if fused is None:
-        return [linear(x, p[k]) for k in keys]
-    y = linear(x, fused)
-    bounds = np.cumsum(fused.splits)[:-1].tolist()
-    return jnp.split(y, bounds, axis=-1)
+    """[linear(x, p[key]) for key in keys], through the fused weight of the longest leading run of keys the layer has
+    one for (Q+K+V, or Q+K with V apart when V's layout differs, e.g. Q5_0 Q and K with a Q8_0 V)."""
+    for n in range(len(keys), 1, -1):
+        fused = p.get("+".join(keys[:n]))
+        if fused is not None:
+            y = linear(x, fused)
+            bounds = np.cumsum(fused.splits)[:-1].tolist()
+            return jnp.split(y, bounds, axis=-1) + [linear(x, p[k]) for k in keys[n:]]
+    return [linear(x, p[k]) for k in keys]
 
 
 def fuse_projections(layer: dict, writes_kv: bool = True) -> dict:
