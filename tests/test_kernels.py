@@ -328,17 +328,20 @@ def _selection_rows(rng, kind: int, R: int, V: int) -> np.ndarray:
 
 def test_top_k_kernel_equals_lax_top_k():
     """Same values (bitwise) and ids as XLA's TopK, whose order is a total order on the float bits with ties by
-    lower index: including ties, signed zeros, infinities and NaNs of either sign."""
+    lower index: including ties, signed zeros, infinities and NaNs of either sign. With fold_zero, the same as XLA's
+    TopK of the row with -0.0 made +0.0 (the sampler's fold)."""
     rng = np.random.default_rng(0)
-    top_k = jax.jit(kernels.top_k, static_argnums=1)
+    top_k = jax.jit(kernels.top_k, static_argnums=(1, 2))
     shapes = [(3, 2999, 1), (3, 2999, 7), (2, 4099, 64), (1, 16, 16), (2, 17, 5), (4, 33, 32)]
     for trial in range(180):
         R, V, k = shapes[trial % len(shapes)]
         x = jnp.asarray(_selection_rows(rng, trial % 3, R, V))
-        want_v, want_i = jax.lax.top_k(x, k)
-        got_v, got_i = top_k(x, k)
-        assert np.array_equal(np.asarray(got_i), np.asarray(want_i)), (trial, R, V, k)
-        assert np.array_equal(np.asarray(got_v).view(np.uint32), np.asarray(want_v).view(np.uint32)), (trial, R, V, k)
+        for fold in (False, True):
+            want_v, want_i = jax.lax.top_k(jnp.where(x == 0, 0.0, x) if fold else x, k)
+            got_v, got_i = top_k(x, k, fold)
+            where = (trial, R, V, k, fold)
+            assert np.array_equal(np.asarray(got_i), np.asarray(want_i)), where
+            assert np.array_equal(np.asarray(got_v).view(np.uint32), np.asarray(want_v).view(np.uint32)), where
     with pytest.raises(ValueError, match="k = 0"):
         kernels.top_k(jnp.zeros((2, 8)), 0)
 

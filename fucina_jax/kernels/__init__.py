@@ -213,9 +213,10 @@ def residual_norm(h: jax.Array, a: jax.Array, w_post: jax.Array | None, w_next: 
     )
 
 
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_k(x: jax.Array, k: int, fold_zero: bool = False) -> tuple[jax.Array, jax.Array]:
     """jax.lax.top_k(x, k) over the last axis, the same values and ids (XLA's total order on the float bits, ties by
-    lower index), in one pass per row instead of XLA's sort (select.cc)."""
+    lower index), in one pass per row instead of XLA's sort (select.cc). fold_zero: as if -0.0 were +0.0 first
+    (jax.lax.top_k(jnp.where(x == 0, 0.0, x), k)), without that pass over x."""
     _register()
     lead, V = x.shape[:-1], x.shape[-1]
     if not 1 <= k <= V:
@@ -223,7 +224,7 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     vals, ids = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((*lead, k), jnp.float32),
                                                 jax.ShapeDtypeStruct((*lead, k), jnp.int32)),
                                  vmap_method="broadcast_all")(
-        x.astype(jnp.float32), k=np.int64(k))
+        x.astype(jnp.float32), k=np.int64(k), fold_zero=np.int64(fold_zero))
     return vals, ids
 
 

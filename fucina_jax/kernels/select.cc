@@ -3,7 +3,8 @@
 //
 //   fucina_top_k   x [R, V] -> (values [R, k], ids int32 [R, k]): the k largest of each row in XLA TopK's order, a
 //                  total order on the float bits (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), largest
-//                  first, equal values by lower index first.
+//                  first, equal values by lower index first. With fold_zero, -0.0 counts as (and is returned as)
+//                  +0.0: the top-k of where(x == 0, +0.0, x) without that V-wide pass.
 //   fucina_argmax  x [R, V] -> ids int32 [R]: the lowest index holding the row's maximum (+0.0 and -0.0 equal),
 //                  NaNs skipped (as XLA's CPU max reduction skips them), V - 1 for a row of NaNs: sampling.py's
 //                  greedy pick.
@@ -27,11 +28,12 @@ namespace {
 
 #define FUCINA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-// Float bits -> int32 ordered as the total order above.
-inline int32_t total_key(float f) {
+// Float bits -> int32 ordered as the total order above; fold (0 or 1) maps -0.0 (key -1) to +0.0's key 0.
+inline int32_t total_key(float f, int32_t fold) {
   int32_t b;
   std::memcpy(&b, &f, 4);
-  return b ^ ((b >> 31) & 0x7FFFFFFF);
+  const int32_t key = b ^ ((b >> 31) & 0x7FFFFFFF);
+  return key + (fold & (key == -1));
 }
 
 typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
@@ -43,7 +45,7 @@ inline bool ranks_before(const std::pair<int32_t, int32_t>& a, const std::pair<i
 }
 
 FUCINA_CLONES
-void top_k_row(const float* x, int64_t V, int64_t k, float* vals, int32_t* ids,
+void top_k_row(const float* x, int64_t V, int64_t k, int32_t fold, float* vals, int32_t* ids,
                std::vector<std::pair<int32_t, int32_t>>& heap) {
   // A min-heap (by rank) of the best k so far: heap.front() is the worst kept. Indices grow along the scan, so an
   // element equal to the worst kept ranks after it: only a strictly larger key enters.
@@ -52,7 +54,7 @@ void top_k_row(const float* x, int64_t V, int64_t k, float* vals, int32_t* ids,
     return ranks_before(a, b);
   };
   int64_t i = 0;
-  for (; i < k; ++i) heap.emplace_back(total_key(x[i]), static_cast<int32_t>(i));
+  for (; i < k; ++i) heap.emplace_back(total_key(x[i], fold), static_cast<int32_t>(i));
   std::make_heap(heap.begin(), heap.end(), worse);
   int32_t thr = heap.front().first;
   auto offer = [&](int32_t key, int64_t idx) {  // key > thr: replace the worst kept
@@ -66,7 +68,7 @@ void top_k_row(const float* x, int64_t V, int64_t k, float* vals, int32_t* ids,
     int32_t keys[kBlock];
     bool any = false;
     for (int l = 0; l < kBlock; ++l) {
-      keys[l] = total_key(x[i + l]);
+      keys[l] = total_key(x[i + l], fold);
       any |= keys[l] > thr;
     }
     if (!any) continue;
@@ -74,13 +76,14 @@ void top_k_row(const float* x, int64_t V, int64_t k, float* vals, int32_t* ids,
       if (keys[l] > thr) offer(keys[l], i + l);
   }
   for (; i < V; ++i) {
-    const int32_t key = total_key(x[i]);
+    const int32_t key = total_key(x[i], fold);
     if (key > thr) offer(key, i);
   }
   std::sort(heap.begin(), heap.end(), ranks_before);
   for (int64_t j = 0; j < k; ++j) {
     ids[j] = heap[j].second;
-    vals[j] = x[heap[j].second];
+    const float v = x[heap[j].second];
+    vals[j] = fold && v == 0.0f ? 0.0f : v;
   }
 }
 
@@ -120,7 +123,7 @@ int64_t row_count(const ffi::Buffer<ffi::F32>& x, int64_t V) {
 }
 
 ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> vals,
-                    ffi::ResultBuffer<ffi::S32> ids, int64_t k) {
+                    ffi::ResultBuffer<ffi::S32> ids, int64_t k, int64_t fold_zero) {
   auto xd = x.dimensions();
   if (xd.size() == 0) return ffi::Error::InvalidArgument("fucina_top_k: x must have at least one axis");
   const int64_t V = xd[xd.size() - 1], R = row_count(x, V);
@@ -133,7 +136,7 @@ ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
   auto run = [&](int64_t r0, int64_t r1) {
     std::vector<std::pair<int32_t, int32_t>> heap;
     heap.reserve(static_cast<size_t>(k));
-    for (int64_t r = r0; r < r1; ++r) top_k_row(xp + r * V, V, k, vp + r * k, ip + r * k, heap);
+    for (int64_t r = r0; r < r1; ++r) top_k_row(xp + r * V, V, k, fold_zero != 0, vp + r * k, ip + r * k, heap);
   };
   if (R > 1) {
     fucina::parallel_for(pool, R, run, 1);
@@ -171,7 +174,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaTopK, TopKImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("k"));
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("fold_zero"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaArgmax, ArgmaxImpl,
                               ffi::Ffi::Bind()
