@@ -25,8 +25,8 @@ from gguf import GGML_QUANT_SIZES
 import fucina_jax
 from fucina_jax import gguf_io, kernels
 from fucina_jax.errors import GGUFError
-from fucina_jax.kernels.pack import (CODE_BITS, PACKED_TYPES, aligned_empty, decode_codes, pack_codes, pack_tensor,
-                                     scale_dtype)
+from fucina_jax.kernels.pack import (CODE_BITS, KSCALE_TYPES, PACKED_TYPES, aligned_empty, decode_codes, pack_codes,
+                                     pack_tensor, scale_dtype, unpack_scales)
 from test_kernels import random_tensor
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
@@ -35,6 +35,23 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels not 
 def reference_pack(raw, qtype, shape):
     u, a, c, bs = decode_codes(raw, qtype, shape)
     return (*pack_codes(u, a, c, bs, scale_dtype(qtype), CODE_BITS[qtype]), bs)
+
+
+def check_pack(got, raw, qtype, shape):
+    """pack_tensor's output against the reference: codes byte for byte; scales byte for byte, or (the K-quants'
+    two-level form, which pack_codes does not write) read back to exactly decode_codes' f32 scales and offsets."""
+    if qtype not in KSCALE_TYPES:
+        assert_same_bytes(got, reference_pack(raw, qtype, shape))
+        return
+    u, a, c, bs = decode_codes(raw, qtype, shape)
+    q_ref = pack_codes(u, a, c, bs, np.float32, CODE_BITS[qtype])[0]
+    assert_same_bytes((got[0], got[3]), (q_ref, bs))
+    assert got[1].dtype == scale_dtype(qtype) and got[2].size == 0
+    a2, c2 = unpack_scales(got[1], got[2], qtype, *shape)
+    assert np.array_equal(a2.view(np.uint32), a.view(np.uint32))
+    assert (c is None) == (c2 is None)
+    if c is not None:
+        assert np.array_equal(c2.view(np.uint32), c.view(np.uint32))
 
 
 def assert_same_bytes(got, want):
@@ -56,7 +73,7 @@ def test_pack_tensor_is_byte_identical_to_the_reference(qtype, n, rows_per_chunk
     raw = random_tensor(qtype, n, k, seed=n)
     seen = []
     got = pack_tensor(raw, qtype, (n, k), rows_per_chunk=rows_per_chunk, done=seen.append)
-    assert_same_bytes(got, reference_pack(raw, qtype, (n, k)))
+    check_pack(got, raw, qtype, (n, k))
     # every raw row handed back exactly once, in order (the loader drops these pages)
     assert np.array_equal(np.concatenate(seen).reshape(-1), raw.reshape(-1))
     for arr in got[:3]:
@@ -179,6 +196,8 @@ def old_path_params(path):
     glob, layer = arch.tensor_table(cfg)
     def pack_weight(raw, qtype, shape, done=None):
         q, a, c, bs = reference_pack(raw, qtype, tuple(shape))
+        if qtype in KSCALE_TYPES:  # two-level scales: pack_tensor's, which check_pack holds to decode_codes
+            _, a, c, _ = pack_tensor(raw, qtype, tuple(shape))
         return kernels.QWeight(q=q, a=a, c=c, n=int(shape[0]), k=int(shape[1]), bs=bs)
 
     real = kernels.pack_weight

@@ -79,7 +79,7 @@ class QWeight:
     """A [n, k] weight (GGUF/PyTorch (out, in) order) in the kernels' packed layout (see pack.py)."""
 
     q: jax.Array  # uint8 [G, k/32 * 64 * bits] (pack.py: bytes, or nibbles + bit planes)
-    a: jax.Array  # f16 or f32 [G, k/bs * 16] (pack.scale_dtype)
+    a: jax.Array  # f16 or f32 [G, k/bs * 16], or K-quants' two-level uint8/int8 [G, k/256 * 320|288] (pack.py)
     c: jax.Array  # same as a (affine types) or [0] (symmetric types)
     n: int = dataclasses.field(metadata=dict(static=True))
     k: int = dataclasses.field(metadata=dict(static=True))
@@ -160,11 +160,36 @@ def take_rows(w: QWeight, ids: jax.Array) -> jax.Array:
         u = u.reshape(*ids.shape, w.k)
     else:
         u = blocks.reshape(G, nb, 8, LANES, 4)[g, :, :, lane, :].reshape(*ids.shape, w.k)
-    a = jnp.repeat(w.a.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32), w.bs, axis=-1)
-    if w.c.size == 0:
+    a, c = _row_scales(w, g, lane)
+    a = jnp.repeat(a, w.bs, axis=-1)
+    if c is None:
         return (u.astype(jnp.float32) - jnp.float32(128 if bits == 8 else 1 << (bits - 1))) * a
-    c = jnp.repeat(w.c.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32), w.bs, axis=-1)
-    return u.astype(jnp.float32) * a + c
+    return u.astype(jnp.float32) * a + jnp.repeat(c, w.bs, axis=-1)
+
+
+def _row_scales(w: QWeight, g: jax.Array, lane: jax.Array):
+    """Scales and offsets (None: symmetric) of rows (g, lane) as f32 [..., k / bs] (pack.unpack_scales in JAX)."""
+    G = w.q.shape[0]
+    if w.a.dtype not in (jnp.uint8, jnp.int8):
+        a = w.a.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32)
+        return a, (w.c.reshape(G, -1, LANES)[g, :, lane].astype(jnp.float32) if w.c.size else None)
+    S = w.k // 256  # K-quant two-level scales, per group and super-block: d, (dmin, scales, mins | int8 scales)
+    blk = jax.lax.bitcast_convert_type(w.a, jnp.uint8).reshape(G, S, -1)
+
+    def halves(lo):  # the 16 fp16 at byte lo of each super-block, for these lanes: [..., S, 1]
+        pair = blk[:, :, lo:lo + 32].reshape(G, S, LANES, 2)[g, :, lane]
+        return jax.lax.bitcast_convert_type(pair, jnp.float16).astype(jnp.float32)[..., None]
+
+    def small(lo, n, signed=False):  # n x 16 small integers at byte lo: [..., S, n]
+        v = blk[:, :, lo:lo + 16 * n].reshape(G, S, n, LANES)[g, :, :, lane]
+        return (jax.lax.bitcast_convert_type(v, jnp.int8) if signed else v).astype(jnp.float32)
+
+    lead = g.shape
+    if w.a.dtype == jnp.int8:  # Q6_K
+        return (halves(0) * small(32, 16, signed=True)).reshape(*lead, -1), None
+    a = halves(0) * small(64, 8)
+    c = -(halves(32) * small(192, 8))
+    return a.reshape(*lead, -1), c.reshape(*lead, -1)
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_pos: jax.Array, scale: float,

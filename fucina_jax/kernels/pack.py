@@ -26,8 +26,8 @@ Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16
         4-6 bits: 256 bytes of low nibbles (chunk c in the low (c < 4) or high nibble of double chunk c % 4), then
         one 64-byte plane per bit above the fourth: 8 bytes per chunk, bit p (little-endian) = that bit of code p of
         the chunk (p = column * 4 + value). Symmetric codes are stored as q with zero 2^(bits-1) (8, 16, 32).
-  a f16/f32 [G, nb * 32/bs * 16]  per group: [sub-block][column]
-  c f16/f32 same as a (affine) or [0] (symmetric)
+  a f16/f32 [G, nb * 32/bs * 16]  per group: [sub-block][column]; K-quants: uint8/int8 (KSCALE_TYPES)
+  c f16/f32 same as a (affine) or [0] (symmetric, and K-quants: the kernel forms the offset from a)
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes
 
-__all__ = ["CODE_BITS", "F16_SCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty", "decode_codes",
-           "pack_codes", "pack_tensor", "scale_dtype", "unpack_values"]
+__all__ = ["CODE_BITS", "F16_SCALE_TYPES", "KSCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty",
+           "decode_codes", "pack_codes", "pack_tensor", "scale_dtype", "unpack_scales", "unpack_values"]
 
 T = GGMLQuantizationType
 LANES = 16  # output columns per group: one AVX-512 lane each
@@ -121,8 +121,57 @@ F16_SCALE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
 CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6}
 
 
+# K-quants keep the file's two-level scales: per 16-column group and super-block of 256 values along K, the 16
+# columns' fp16 d, then (Q4_K, Q5_K: uint8) the 16 fp16 dmin, 8 x 16 6-bit scales and 8 x 16 6-bit mins (320 bytes),
+# or (Q6_K: int8) 16 x 16 signed scales (288 bytes). The kernel forms a = d * scale and c = -(dmin * min), the same
+# exact f32 products the dequantizer computes: 0.078 / 0.070 bytes per weight instead of f32's 0.25.
+KSCALE_TYPES = {T.Q4_K: 320, T.Q5_K: 320, T.Q6_K: 288}
+
+
 def scale_dtype(qtype) -> np.dtype:
+    if qtype in KSCALE_TYPES:
+        return np.dtype(np.int8 if qtype == T.Q6_K else np.uint8)
     return np.dtype(np.float16 if qtype in F16_SCALE_TYPES else np.float32)
+
+
+def _kscales_into(dst: np.ndarray, blocks: np.ndarray, qtype, groups: int) -> None:
+    """Two-level K-quant scales of `groups` * 16 rows (raw super-blocks `blocks` [rows * S, type_size], rows in
+    order, padded rows all zero) into dst [groups, S * KSCALE_TYPES[qtype]] (uint8 view)."""
+    S = blocks.shape[0] // (groups * LANES)
+
+    def lanes_last(x, per):  # [rows * S, per] bytes -> [groups, S, per / width * 16 * width] with lanes innermost
+        width = 2 if per == 2 else 1
+        v = x.reshape(groups, LANES, S, per // width, width)
+        return v.transpose(0, 2, 3, 1, 4).reshape(groups, S, -1)
+
+    if qtype == T.Q6_K:
+        parts = [lanes_last(blocks[:, 208:210], 2), lanes_last(blocks[:, 192:208], 16)]
+    else:
+        sc, mn = _scale_min_k4(blocks[:, 4:16])
+        parts = [lanes_last(blocks[:, 0:2], 2), lanes_last(blocks[:, 2:4], 2), lanes_last(sc, 8), lanes_last(mn, 8)]
+    np.concatenate(parts, axis=-1, out=dst.view(np.uint8).reshape(groups, S, -1))
+
+
+def unpack_scales(a: np.ndarray, c: np.ndarray, qtype, n: int, k: int):
+    """Packed scales (and offsets) of a [n, k] weight -> f32 a [n, k/bs] and c [n, k/bs] (None when symmetric):
+    the numbers the kernel multiplies by, read back from the layout (tests hold them to decode_codes)."""
+    G = a.shape[0]
+
+    def rows(x):  # [G, blocks, 16] -> [G * 16, blocks]
+        return x.reshape(G, -1, LANES).transpose(0, 2, 1).reshape(G * LANES, -1)[:n].astype(np.float32)
+
+    if qtype not in KSCALE_TYPES:
+        return rows(a), (rows(c) if c.size else None)
+    S = k // 256
+    blk = np.ascontiguousarray(a).view(np.uint8).reshape(G, S, KSCALE_TYPES[qtype])
+    d = blk[:, :, :32].copy().view("<f2").astype(np.float32)[:, :, None, :]  # [G, S, 1, 16]
+    if qtype == T.Q6_K:
+        sc = blk[:, :, 32:].view(np.int8).reshape(G, S, 16, LANES)
+        return rows(d * sc.astype(np.float32)), None
+    dmin = blk[:, :, 32:64].copy().view("<f2").astype(np.float32)[:, :, None, :]
+    sc = blk[:, :, 64:192].reshape(G, S, 8, LANES).astype(np.float32)
+    mn = blk[:, :, 192:].reshape(G, S, 8, LANES).astype(np.float32)
+    return rows(d * sc), rows(-(dmin * mn))
 
 
 def _narrow_codes(q: np.ndarray, bits: int, symmetric: bool) -> np.ndarray:
@@ -216,7 +265,8 @@ def _chunk_rows(K: int, rows_per_chunk: int | None) -> int:
 
 def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], rows_per_chunk: int | None = None,
                 done=None):
-    """Raw GGUF bytes of a [N, K] tensor -> (q, a, c, bs) packed (byte for byte pack_codes(*decode_codes(...))), into
+    """Raw GGUF bytes of a [N, K] tensor -> (q, a, c, bs) packed (byte for byte pack_codes(*decode_codes(...)), but
+    for the K-quants' two-level scales, which unpack_scales reads back to decode_codes' numbers), into
     64-byte aligned arrays (see aligned_empty), a chunk of rows at a time so the transient NumPy copies stay small
     next to the result (Gemma 3's tied embedding is 262144 rows). `done(rows)`, if given, is called with each chunk
     of raw rows once it is consumed (the loader drops those file pages from memory)."""
@@ -231,8 +281,13 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     q = aligned_empty((G, nb * 64 * bits), np.uint8)
     q32 = q.view(np.uint32)  # [G, nb * 8 * 16]: one element = the 4 consecutive K values of one column
     sd = scale_dtype(qtype)
-    a = aligned_empty((G, per_row * LANES), sd)
-    c = aligned_empty((G, per_row * LANES), sd) if affine else np.zeros((0,), sd)
+    kscale = qtype in KSCALE_TYPES
+    if kscale:
+        a = aligned_empty((G, K // 256 * KSCALE_TYPES[qtype]), sd)
+        c = np.zeros((0,), sd)
+    else:
+        a = aligned_empty((G, per_row * LANES), sd)
+        c = aligned_empty((G, per_row * LANES), sd) if affine else np.zeros((0,), sd)
     step = _chunk_rows(K, rows_per_chunk)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
@@ -254,9 +309,15 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
                 q[g0:g1] = _narrow_codes(full, bits, not affine)
             else:
                 _lanes_into(q32[g0:g1], np.ascontiguousarray(u_).view(np.uint32))
-            _lanes_into(a[g0:g1], a_)
-            if affine:
-                _lanes_into(c[g0:g1], c_.astype(np.float32).reshape(-1, per_row))
+            if kscale:
+                blocks = chunk.reshape(-1, type_size)
+                if n1 - n0 < (g1 - g0) * LANES:
+                    blocks = _pad_rows(chunk, (g1 - g0) * LANES, 0).reshape(-1, type_size)
+                _kscales_into(a[g0:g1], blocks, qtype, g1 - g0)
+            else:
+                _lanes_into(a[g0:g1], a_)
+                if affine:
+                    _lanes_into(c[g0:g1], c_.astype(np.float32).reshape(-1, per_row))
         if done is not None:
             done(chunk)
     return q, a, c, bs

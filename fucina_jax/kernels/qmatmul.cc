@@ -16,7 +16,9 @@
 //
 // Layout of one weight: output columns in groups of 16 (one AVX-512 lane each, so no horizontal reductions); per
 // group and per 32-block along K, 8 chunks x 16 lanes x 4 consecutive K values = 512 bytes; scales/offsets are
-// [group][block * (32 / bs) + j][16 lanes], f32 or (types whose file stores fp16 scales) fp16. Codes of fewer than
+// [group][block * (32 / bs) + j][16 lanes], f32 or (types whose file stores fp16 scales) fp16; K-quants keep the
+// file's two levels (an fp16 scale per 256 values times a small integer per sub-block, see Weights::kscale), whose
+// products the kernel forms exactly as the f32 the dequantizer computes. Codes of fewer than
 // 8 bits take 64 * bits bytes per group and block: 256 bytes of nibbles (chunk c in the low (c < 4) or high nibble
 // of double chunk c % 4, split back into bytes with one shift and two ands per 64 bytes), then a 64-byte plane per
 // higher bit (8 bytes per chunk: bit p = that bit of the chunk's byte p), added back with one masked byte add.
@@ -152,13 +154,23 @@ void quantize_rows(const float* x, Act& a, bool avx512) {
     }
 }
 
+// How a weight's scales are stored.
+enum ScaleKind : int {
+  kScaleF32,  // a (and c): [G, nb * nsub, 16] f32
+  kScaleF16,  // the same in fp16 (the file's own block scales)
+  kScaleK,    // K-quants, per group and super-block of 8 blocks: 16 fp16 d, then (Q4_K, Q5_K) 16 fp16 dmin, 8 x 16
+              // uint8 sub-block scales, 8 x 16 uint8 mins (320 bytes), or (Q6_K) 16 x 16 int8 scales (288 bytes);
+              // a = d * scale, c = -(dmin * min): both products exact in f32 (11-bit by 8-bit mantissas)
+};
+
 struct Weights {
   const uint8_t* q;  // [G, nb, 64 * bits]
-  const void* a;     // [G, nb * nsub, 16], f32 or (f16: the file's own fp16 block scales) f16
-  const void* c;     // same, affine only (else null)
+  const void* a;     // scales: see ScaleKind
+  const void* c;     // offsets for f32/f16 scales of affine types (else null)
   int64_t nb;
   int nsub;          // 32 / bs
-  bool f16;          // a and c hold fp16 values
+  int kind;          // ScaleKind
+  bool affine;       // w = a * u + c (else a * (u - zero))
   int bits;          // bits per code: 8 (one byte each), or 4..6 (nibbles + bits - 4 planes, see code())
   int32_t zero;      // symmetric types: w = a * (u - zero), zero = 2^(bits - 1)
 
@@ -177,10 +189,29 @@ struct Weights {
 
   // Scale (or offset) i of `p` as f32, exactly (every fp16 value is an f32 value).
   float at(const void* p, int64_t i) const {
-    return f16 ? static_cast<float>(static_cast<const _Float16*>(p)[i]) : static_cast<const float*>(p)[i];
+    return kind == kScaleF16 ? static_cast<float>(static_cast<const _Float16*>(p)[i]) : static_cast<const float*>(p)[i];
   }
   // The scales of group g start at element g * ns * 16 of a (and c).
   int64_t base(int64_t g) const { return g * nb * nsub * 16; }
+  // kScaleK: bytes per group and super-block, and the super-block of block b of group g.
+  int64_t kbytes() const { return affine ? 320 : 288; }
+  const uint8_t* kblock(int64_t g, int64_t b) const {
+    return static_cast<const uint8_t*>(a) + (g * (nb / 8) + b / 8) * kbytes();
+  }
+  static float half(const uint8_t* p) { return static_cast<float>(*reinterpret_cast<const _Float16*>(p)); }
+  // Scale and offset of sub-block j of block b, lane l, of group g (the portable statement of the layout).
+  float scale(int64_t g, int64_t b, int j, int l) const {
+    if (kind != kScaleK) return at(a, base(g) + (b * nsub + j) * kLanes + l);
+    const uint8_t* sb = kblock(g, b);
+    const int64_t bi = b % 8;
+    if (affine) return half(sb + 2 * l) * static_cast<float>(sb[64 + bi * 16 + l]);
+    return half(sb + 2 * l) * static_cast<float>(static_cast<int8_t>(sb[32 + (bi * 2 + j) * 16 + l]));
+  }
+  float offset(int64_t g, int64_t b, int j, int l) const {
+    if (kind != kScaleK) return at(c, base(g) + (b * nsub + j) * kLanes + l);
+    const uint8_t* sb = kblock(g, b);
+    return -(half(sb + 32 + 2 * l) * static_cast<float>(sb[192 + (b % 8) * 16 + l]));
+  }
 };
 
 // Computes out[r, g*16 .. g*16+15] for rows [r0, r1) of one column group.
@@ -194,7 +225,6 @@ using GroupsFn = void (*)(const Weights&, int64_t g0, int64_t g1, const Act&, fl
 
 void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
   const uint8_t* wq = w.q + g * w.nb * w.block_bytes();
-  const int64_t s0 = w.base(g);
   const int cps = 8 / w.nsub;  // 4-value chunks per sub-block
   for (int64_t r = r0; r < r1; ++r) {
     for (int l = 0; l < kLanes; ++l) {
@@ -209,11 +239,10 @@ void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
             for (int e = 0; e < 4; ++e)
               I += w.code(wb, ci, l, e) * xb[ci * 4 + e];
           const int32_t S = x.sum(r, b, j, w.nsub);
-          const int64_t si = (b * w.nsub + j) * kLanes + l;
-          const float a = w.at(w.a, s0 + si);
-          if (w.c) {
+          const float a = w.scale(g, b, j, l);
+          if (w.affine) {
             acc = std::fmaf(dx * a, static_cast<float>(I), acc);
-            acc = std::fmaf(dx * w.at(w.c, s0 + si), static_cast<float>(S), acc);
+            acc = std::fmaf(dx * w.offset(g, b, j, l), static_cast<float>(S), acc);
           } else {
             acc = std::fmaf(dx * a, static_cast<float>(I - w.zero * S), acc);
           }
@@ -231,15 +260,37 @@ void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
 
 // 8 scales from element i of p (f16 or f32) as f32.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const Weights& w, const void* p, int64_t i) {
-  return w.f16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
-               : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  return w.kind == kScaleF16
+             ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+             : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Lanes 8h..8h+7 of Weights::scale / Weights::offset.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 scale8(const Weights& w, int64_t g, int64_t b, int j, int h) {
+  if (w.kind != kScaleK) return load8(w, w.a, w.base(g) + (b * w.nsub + j) * kLanes + 8 * h);
+  const uint8_t* sb = w.kblock(g, b);
+  const int64_t bi = b % 8;
+  const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+      sb + (w.affine ? 64 + bi * 16 : 32 + (bi * 2 + j) * 16) + 8 * h));
+  const __m256 s = _mm256_cvtepi32_ps(w.affine ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8));
+  return _mm256_mul_ps(half8(sb + 16 * h), s);
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 offset8(const Weights& w, int64_t g, int64_t b, int j, int h) {
+  if (w.kind != kScaleK) return load8(w, w.c, w.base(g) + (b * w.nsub + j) * kLanes + 8 * h);
+  const uint8_t* sb = w.kblock(g, b);
+  const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 192 + (b % 8) * 16 + 8 * h));
+  const __m256 p = _mm256_mul_ps(half8(sb + 32 + 16 * h), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
+  return _mm256_xor_ps(p, _mm256_set1_ps(-0.0f));  // -(dmin * m), exactly as negation
 }
 
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, float* out,
                                                    int64_t ldo) {
   const uint8_t* wq = w.q + g * w.nb * w.block_bytes();
-  const int64_t s0 = w.base(g);
   const int cps = 8 / w.nsub;
   const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -254,8 +305,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_
       const uint8_t* blk = wq + b * w.block_bytes();
       const uint8_t* wb = blk + 32 * h;
       for (int j = 0; j < w.nsub; ++j) {
-        const int64_t si = (b * w.nsub + j) * kLanes + 8 * h;
-        const __m256 a = load8(w, w.a, s0 + si);
+        const __m256 a = scale8(w, g, b, j, h);
         for (int r = 0; r < R; ++r) {
           const int8_t* xb = x.xq(r0 + r, b);
           __m256i I = _mm256_setzero_si256();
@@ -284,9 +334,9 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_
           const float dx = x.dx(r0 + r, b);
           const int32_t S = x.sum(r0 + r, b, j, w.nsub);
           const __m256 s = _mm256_mul_ps(_mm256_set1_ps(dx), a);
-          if (w.c) {
+          if (w.affine) {
             acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(I), acc[r]);
-            const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(dx), load8(w, w.c, s0 + si));
+            const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(dx), offset8(w, g, b, j, h));
             acc[r] = _mm256_fmadd_ps(sc, _mm256_set1_ps(static_cast<float>(S)), acc[r]);
           } else {
             I = _mm256_sub_epi32(I, _mm256_set1_epi32(w.zero * S));
@@ -314,11 +364,34 @@ void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r
 // The 8 weight vectors of a 32-block stay in registers while up to 8 rows use them.
 // ------------------------------------------------------------------------------------------------------------------
 
+#define FUCINA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+
 // 16 scales from element i of p (f16 or f32) as f32.
-__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) inline __m512 load16(const Weights& w, const void* p,
-                                                                                 int64_t i) {
-  return w.f16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
-               : _mm512_loadu_ps(static_cast<const float*>(p) + i);
+FUCINA_AVX512 inline __m512 load16(const Weights& w, const void* p, int64_t i) {
+  return w.kind == kScaleF16
+             ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
+             : _mm512_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+FUCINA_AVX512 inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Weights::scale / Weights::offset for the 16 lanes.
+FUCINA_AVX512 inline __m512 scale16(const Weights& w, int64_t g, int64_t b, int j) {
+  if (w.kind != kScaleK) return load16(w, w.a, w.base(g) + (b * w.nsub + j) * kLanes);
+  const uint8_t* sb = w.kblock(g, b);
+  const int64_t bi = b % 8;
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (w.affine ? 64 + bi * 16 : 32 + (bi * 2 + j) * 16)));
+  const __m512 s = _mm512_cvtepi32_ps(w.affine ? _mm512_cvtepu8_epi32(s8) : _mm512_cvtepi8_epi32(s8));
+  return _mm512_mul_ps(half16(sb), s);
+}
+FUCINA_AVX512 inline __m512 offset16(const Weights& w, int64_t g, int64_t b, int j) {
+  if (w.kind != kScaleK) return load16(w, w.c, w.base(g) + (b * w.nsub + j) * kLanes);
+  const uint8_t* sb = w.kblock(g, b);
+  const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192 + (b % 8) * 16));
+  const __m512 p = _mm512_mul_ps(half16(sb + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m8)));
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(p), _mm512_set1_epi32(INT32_MIN)));
 }
 
 template <int R, int NSUB, bool AFFINE>
@@ -326,7 +399,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
                                                                              int64_t r0, float* out, int64_t ldo) {
   const int64_t bb = w.block_bytes();
   const uint8_t* wb = w.q + g * w.nb * bb;
-  const int64_t s0 = w.base(g);
   constexpr int cps = 8 / NSUB;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
@@ -362,9 +434,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
     }
 #pragma GCC unroll 2
     for (int j = 0; j < NSUB; ++j) {
-      const int64_t si = (b * NSUB + j) * kLanes;
-      const __m512 a = load16(w, w.a, s0 + si);
-      const __m512 c = AFFINE ? load16(w, w.c, s0 + si) : _mm512_setzero_ps();
+      const __m512 a = scale16(w, g, b, j);
+      const __m512 c = AFFINE ? offset16(w, g, b, j) : _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         // Two accumulators halve the vpdpbusd dependency chain; integer sums are exact in any order.
@@ -412,9 +483,11 @@ void group_avx512_t(const Weights& w, int64_t g, const Act& x, int64_t r0, int64
 
 void group_avx512(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
   if (w.nsub == 1) {
-    w.c ? group_avx512_t<1, true>(w, g, x, r0, r1, out, ldo) : group_avx512_t<1, false>(w, g, x, r0, r1, out, ldo);
+    w.affine ? group_avx512_t<1, true>(w, g, x, r0, r1, out, ldo)
+             : group_avx512_t<1, false>(w, g, x, r0, r1, out, ldo);
   } else {
-    w.c ? group_avx512_t<2, true>(w, g, x, r0, r1, out, ldo) : group_avx512_t<2, false>(w, g, x, r0, r1, out, ldo);
+    w.affine ? group_avx512_t<2, true>(w, g, x, r0, r1, out, ldo)
+             : group_avx512_t<2, false>(w, g, x, r0, r1, out, ldo);
   }
 }
 
@@ -486,19 +559,26 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   // 64 * bits bytes per group and block: bits 8 (bytes), or 4..6 (nibbles + planes)
   const int64_t per_block = G * nb > 0 ? static_cast<int64_t>(wq.element_count()) / (G * nb) : 512;
   const int bits = static_cast<int>(per_block / 64);
+  // Scales: f32 or f16 (with as many offsets for affine types), or the K-quant two-level form (ScaleKind):
+  // uint8 for Q4_K/Q5_K (scales and mins, 320 bytes per group and 8 blocks), int8 for Q6_K (288 bytes).
+  const ffi::DataType st = wa.element_type();
+  const int kind = st == ffi::DataType::F16 ? kScaleF16 : st == ffi::DataType::F32 ? kScaleF32 : kScaleK;
+  const bool kaffine = st == ffi::DataType::U8;
+  if (kind == kScaleK && st != ffi::DataType::U8 && st != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("fucina_qmatmul: scales must be f32, f16, u8 (Q4_K/Q5_K) or s8 (Q6_K)");
+  const int64_t n_scales = kind == kScaleK ? (nb % 8 ? -1 : G * (nb / 8) * (kaffine ? 320 : 288))
+                                           : G * nb * nsub * kLanes;
   if (static_cast<int64_t>(wq.element_count()) != G * nb * per_block || per_block % 64 ||
-      !(bits == 8 || (bits >= 4 && bits <= 6)) ||
-      static_cast<int64_t>(wa.element_count()) != G * nb * nsub * kLanes ||
-      (wc.element_count() != 0 && static_cast<int64_t>(wc.element_count()) != G * nb * nsub * kLanes))
+      !(bits == 8 || (bits >= 4 && bits <= 6)) || static_cast<int64_t>(wa.element_count()) != n_scales ||
+      (kind == kScaleK && (wc.element_count() != 0 || bs != (kaffine ? 32 : 16))) ||
+      (wc.element_count() != 0 && static_cast<int64_t>(wc.element_count()) != n_scales))
     return ffi::Error::InvalidArgument("fucina_qmatmul: packed weight sizes do not match x and y");
   if (M == 0) return ffi::Error::Success();
-
-  const bool f16 = wa.element_type() == ffi::DataType::F16;
-  if ((!f16 && wa.element_type() != ffi::DataType::F32) ||
-      (wc.element_count() != 0 && wc.element_type() != wa.element_type()))
+  if (wc.element_count() != 0 && wc.element_type() != st)
     return ffi::Error::InvalidArgument("fucina_qmatmul: scales and offsets must both be f32 or both f16");
+  const bool affine = kind == kScaleK ? kaffine : wc.element_count() != 0;
   const Weights w{wq.typed_data(), wa.untyped_data(), wc.element_count() ? wc.untyped_data() : nullptr, nb,
-                  static_cast<int>(nsub), f16, bits, 1 << (bits - 1)};
+                  static_cast<int>(nsub), kind, affine, bits, 1 << (bits - 1)};
   Act act;
   act.M = M;
   act.K = K;
@@ -508,7 +588,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   act.s16.resize(M * 2 * nb);
   const int isa = current_isa();
   quantize_rows(x.typed_data(), act, isa == 0);
-  act.make_corr(static_cast<int>(nsub), wc.element_count() != 0, w.zero);
+  act.make_corr(static_cast<int>(nsub), affine, w.zero);
   const GroupsFn fn = kIsas[isa].fn;
   float* out = y->typed_data();
   // Column groups in parallel; a group is never split, so results do not depend on the split. (Two groups per pass,
