@@ -113,7 +113,8 @@ def main() -> int:
         floor = stages["floor"][0]
         llama = ""
         if not args.no_llama:
-            lpeak = float(next(ln for ln in run(LLAMA_CODE, path, args.ctx, args.gen) if ln.startswith("PEAK")).split()[1])
+            out = run(LLAMA_CODE, path, args.ctx, args.gen)
+            lpeak = float(next(ln for ln in out if ln.startswith("PEAK")).split()[1])
             llama = f" {lpeak:6.0f} {lpeak / size:5.2f}x"
         print(f"{os.path.basename(path)[:44]:44s} {size:6.0f} {floor:6.0f} {stages['load'][0]:6.0f} "
               f"{stages['plain'][0]:6.0f} {stages['spec'][0]:6.0f} {peak:6.0f} {peak / size:5.2f}x "

@@ -130,8 +130,8 @@ def main() -> int:
     rss_gen = rss_mb()
     ours_cost = measure_cost_table(model, ctx=args.ctx, reps=3, rounds=3)
     rss = rss_mb()
-    print(f"load {load_s:.2f} s; first generate compiled in {first.compile_seconds:.1f} s; peak RSS of fucina_jax after "
-          f"loading and generating: {rss_gen:.0f} MiB = {rss_gen / gguf_mb:.2f}x the GGUF file, after the verify probe "
+    print(f"load {load_s:.2f} s; first generate compiled in {first.compile_seconds:.1f} s; peak RSS of fucina_jax "
+          f"after loading and generating: {rss_gen:.0f} MiB = {rss_gen / gguf_mb:.2f}x the GGUF file, after the verify probe "
           f"too (every verify width compiled): {rss:.0f} MiB = {rss / gguf_mb:.2f}x (scripts/bench_memory.py splits "
           f"these from the JAX runtime's own ~200 MiB)")
 

@@ -1,7 +1,7 @@
 """Quantized CPU kernels inside jax.jit: the fast path for GGUF weights.
 
-A `QWeight` is a weight packed once at load (pack.py) and kept at 0.56-1.06 bytes per value (about the file's) instead of
-f32's 4.
+A `QWeight` is a weight packed once at load (pack.py) and kept at 0.56-1.06 bytes per value (about the file's)
+instead of f32's 4.
 `qlinear(x, w)` multiplies through the XLA FFI target `fucina_qmatmul` (qmatmul.cc): activations quantized per
 32-block to int8 like llama.cpp's q8_0, exact integer dot products, a fixed float sequence per output, so each row
 of the result is bitwise independent of how many rows are computed with it. `take_rows(w, ids)` gathers embedding

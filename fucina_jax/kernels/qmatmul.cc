@@ -366,15 +366,15 @@ void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r
 
 #define FUCINA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 
+FUCINA_AVX512 inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // 16 scales from element i of p (f16 or f32) as f32.
 FUCINA_AVX512 inline __m512 load16(const Weights& w, const void* p, int64_t i) {
   return w.kind == kScaleF16
-             ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
+             ? half16(reinterpret_cast<const uint8_t*>(static_cast<const uint16_t*>(p) + i))
              : _mm512_loadu_ps(static_cast<const float*>(p) + i);
-}
-
-FUCINA_AVX512 inline __m512 half16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Weights::scale / Weights::offset for the 16 lanes.
@@ -382,7 +382,8 @@ FUCINA_AVX512 inline __m512 scale16(const Weights& w, int64_t g, int64_t b, int 
   if (w.kind != kScaleK) return load16(w, w.a, w.base(g) + (b * w.nsub + j) * kLanes);
   const uint8_t* sb = w.kblock(g, b);
   const int64_t bi = b % 8;
-  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (w.affine ? 64 + bi * 16 : 32 + (bi * 2 + j) * 16)));
+  const uint8_t* sp = sb + (w.affine ? 64 + bi * 16 : 32 + (bi * 2 + j) * 16);
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp));
   const __m512 s = _mm512_cvtepi32_ps(w.affine ? _mm512_cvtepu8_epi32(s8) : _mm512_cvtepi8_epi32(s8));
   return _mm512_mul_ps(half16(sb), s);
 }
