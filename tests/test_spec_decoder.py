@@ -176,6 +176,34 @@ def test_max_tokens_zero_and_prompt_validation(qwen3):
         spec_run(qwen3, prompt, None, options=SpecOptions(max_draft=16))
 
 
+def test_a_decoder_never_writes_past_its_cache_slots(qwen3):
+    """A decoder whose KV cache has fewer slots than its context (generate_speculative fits `slots` to prompt +
+    max_tokens) commits exactly the plain stream up to its last slot, clamps longer steps, and then refuses with a
+    clear error instead of dropping cache rows."""
+    from fucina_jax.models import fitted_capacity
+
+    prompt = ids(qwen3, "digits")
+    want = plain_run(qwen3, prompt, max_tokens=40).tokens
+    slots = -(-(len(prompt) + 5) // 16) * 16  # a multiple of SLOT_ALIGN: the cache holds exactly this many
+    dec = SpeculativeDecoder(qwen3, all_sources(prompt + want, qwen3.config.n_vocab)["perfect"], sampler=GREEDY,
+                             ctx=CTX, options=ALWAYS, slots=slots)
+    got = []
+    committed, _ = dec.bootstrap(dec.begin(prompt))
+    got += committed
+    assert dec.cache.capacity == slots
+    while dec.n <= slots:  # the newest committed id is not in the cache: n = slots + 1 fills every slot
+        committed, _ = dec.step(16)  # asks for more than the slots hold: the step is clamped
+        got += committed
+        _check_state(dec)
+    assert dec.n == slots + 1 and len(got) == slots + 1 - len(prompt) and got == want[: len(got)]
+    with pytest.raises(ContextFullError, match="slots"):
+        dec.step(1)
+    assert fitted_capacity(1, 4096) == 256 and fitted_capacity(257, 4096) == 512 and fitted_capacity(5000, 4096) == 4096
+    assert fitted_capacity(300, 100) == 100
+    with pytest.raises(ValueError):
+        fitted_capacity(0, 4096)
+
+
 def plain_rows(model, stream, n_prompt, ctx):
     """The plain run's pre-penalty logits row for every generated position: prefill, then one decode_step per
     committed id (an independent loop over engine.decode_step, not the decoder)."""

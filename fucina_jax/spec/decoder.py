@@ -144,6 +144,7 @@ class SpeculativeDecoder:
         self.history = sampling.history_from_tokens(prompt.tolist(), self.sampler.history_capacity(self.ctx))
         self.cache = None
         logits, self.cache = self.model.prefill(prompt, self.model.new_cache(self.slots))
+        self.slots = min(self.cache.capacity, self.ctx)  # init_cache rounds the capacity up to SLOT_ALIGN
         self._cache_len = self.n  # the prompt's last token is in the cache until the first token is committed
         self.source.observe(prompt)
         return logits
