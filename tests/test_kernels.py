@@ -377,3 +377,23 @@ def test_selections_under_vmap():
     assert np.array_equal(np.asarray(jax.vmap(kernels.argmax)(x)), np.asarray(kernels.argmax(x)))
     got = jax.vmap(lambda r: kernels.top_k(r, 4)[1])(x)
     assert np.array_equal(np.asarray(got), np.asarray(jax.lax.top_k(x, 4)[1]))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_inconsistent_packed_buffers_are_refused(qtype):
+    """The kernel checks every buffer against the shapes (codes of a known width, scales of the kind their dtype
+    says) and refuses a mismatch with a clear error instead of reading out of bounds."""
+    import dataclasses
+
+    n, k = shape_for(qtype)
+    w = qweight(random_tensor(qtype, n, k, seed=12), qtype, (n, k))
+    x = jnp.ones((2, k), jnp.float32)
+    bad = [dataclasses.replace(w, q=w.q[:, :-64]),  # a block's worth of codes short
+           dataclasses.replace(w, a=w.a[:, :-1])]  # one scale (byte) short
+    if w.a.dtype in (jnp.uint8, jnp.int8):  # K-quant scales must come with their own block size and no offsets
+        bad.append(dataclasses.replace(w, bs=32 if w.bs == 16 else 16))
+        bad.append(dataclasses.replace(w, c=jnp.zeros(w.a.shape, jnp.float32)))
+    for b in bad:
+        with pytest.raises(Exception, match="fucina_qmatmul"):
+            np.asarray(kernels.qlinear(x, b))
+    np.asarray(kernels.qlinear(x, w))  # the consistent weight runs
