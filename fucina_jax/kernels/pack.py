@@ -1,8 +1,7 @@
 """GGUF quantized blocks -> the kernels' packed layout, losslessly.
 
-Every supported type is rewritten as byte codes u (0..255) with one scale `a` per sub-block of `bs` values and, for
-types with a per-block minimum, one offset `c` (fp16, exactly the file's, where the file stores them as fp16: Q8_0,
-Q4_0, Q5_0, Q4_1, Q5_1; else f32):
+Every supported type is decoded (decode_codes) to byte codes u (0..255) with one scale `a` per sub-block of `bs`
+values and, for types with a per-block minimum, one offset `c`:
 
   type   bs  form       u            a              c            value (bitwise the same as quants.dequantize)
   Q8_0   32  symmetric  q + 128      d              -            a * (u - 128)
@@ -14,11 +13,13 @@ Q4_0, Q5_0, Q4_1, Q5_1; else f32):
   Q4_K   32  affine     q            d * sc         -(dmin * m)
   Q5_K   32  affine     q            d * sc         -(dmin * m)
 
-(`d * sc` is the float product ggml computes, so nothing is rounded that was not rounded before.) Codes are stored
-in as many bits as the type has (CODE_BITS): a 32-block of a 16-column group takes 64 * bits bytes. Bytes per weight
-(codes + scales): Q8_0 1.0625, Q4_0 0.5625, Q5_0 0.6875 (each exactly the file's), Q4_1 0.625, Q5_1 0.75, Q4_K 0.75,
-Q5_K 0.875, Q6_K 1.0 (f32 K-quant scales: 0.125 per weight more than the file's, 0.25 for Q6_K's 16-blocks); see
-docs/performance.md. Other types (Q2_K, Q3_K, i-quants, floats) stay on the f32 path.
+(`d * sc` is the float product ggml computes, so nothing is rounded that was not rounded before.) The packed form
+stores no more than the file: codes in as many bits as the type has (CODE_BITS; a 32-block of a 16-column group takes
+64 * bits bytes); scales the file keeps in fp16 (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1) as those fp16 numbers; K-quant scales
+in the file's two levels (KSCALE_TYPES), multiplied out by the kernel. Bytes per weight (codes + scales): Q8_0 1.0625,
+Q4_0 0.5625, Q5_0 0.6875, Q4_1 0.625, Q5_1 0.75, Q6_K 0.820 (each exactly the file's), Q4_K 0.578 and Q5_K 0.703
+(the file's 0.5625 and 0.6875: 6-bit sub-scales held in bytes); see docs/performance.md. Other types (Q2_K, Q3_K,
+i-quants, floats) stay on the f32 path.
 
 Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
   q uint8 [G, nb * 64 * bits]  per group and block, 8 chunks x 16 columns x 4 consecutive K values = 512 codes:
