@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--f32", action="store_true",
                    help="dequantize every weight to f32 and run the pure-JAX reference path (default: quantized "
                         "weights run through fucina_jax's int8 kernels)")
+    p.add_argument("--cache-type", "-ct", choices=("f32", "f16"), default="f32",
+                   help="KV cache element type: f16 halves its memory (llama.cpp's default) (default f32)")
     s = p.add_argument_group("sampling (llama.cpp semantics and defaults)")
     s.add_argument("--temperature", "--temp", type=float, default=DEFAULT_SAMPLER["temperature"],
                    help="temperature; <= 0 is greedy argmax (default 0.8)")
@@ -233,7 +235,7 @@ def run(args) -> int:
     from fucina_jax.generate import generate
 
     t0 = time.perf_counter()
-    model = fucina_jax.load(path, progress=not args.quiet, f32=args.f32)
+    model = fucina_jax.load(path, progress=not args.quiet, f32=args.f32, cache_type=args.cache_type)
     _log(args, f"loaded {os.path.basename(path)} ({model.config.arch}, {model.config.n_layers} layers) "
                f"in {time.perf_counter() - t0:.1f} s; the first steps compile (a few seconds)")
     ctx = args.ctx or model.default_ctx

@@ -17,7 +17,7 @@ from fucina_jax import engine
 from fucina_jax.errors import ContextFullError, FucinaError
 from fucina_jax.gguf_io import GGUFFile, open_gguf
 from fucina_jax.models import architecture, init_cache, truncate
-from fucina_jax.models.cache import KVCache
+from fucina_jax.models.cache import CACHE_DTYPES, KVCache
 from fucina_jax.models.config import ModelConfig
 from fucina_jax.models.loading import load_params
 
@@ -198,12 +198,16 @@ class Model:
         return logits[0], cache
 
 
-def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: bool = False) -> Model:
+def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: bool = False,
+         cache_type: str = "f32") -> Model:
     """Load a GGUF model; no path loads the embedded default model (Gemma 3 270M Q4_K_M).
 
     Quantized matmul weights of the types the kernels take (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay
     quantized and run through fucina_jax.kernels; `f32=True` dequantizes every weight to f32 instead: the pure-JAX
-    reference path (also the one to shard over devices, and the fallback where the kernels are not built)."""
+    reference path (also the one to shard over devices, and the fallback where the kernels are not built).
+    cache_type "f16" stores the KV cache in fp16 (half the memory, llama.cpp's default) instead of f32."""
+    if cache_type not in CACHE_DTYPES:
+        raise ValueError(f"cache_type {cache_type!r} is not supported; choose one of {', '.join(CACHE_DTYPES)}")
     if path is None:
         path = default_model_path()
     t0 = time.perf_counter()
@@ -211,6 +215,7 @@ def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: 
     arch = architecture(gf.architecture)
     n_vocab = _n_vocab(gf)
     cfg = arch.config_from_metadata(gf.metadata, n_vocab, has_output="output.weight" in gf.tensors)
+    cfg = dataclasses.replace(cfg, cache_type=cache_type)
     glob, layer = arch.tensor_table(cfg)
     bar = None
     if progress:

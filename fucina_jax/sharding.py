@@ -224,7 +224,7 @@ def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
     return jax.device_put(cache, cache_shardings(cache, mesh))
 
 
-def new_sharded_cache(cfg: ModelConfig, mesh: Mesh, capacity: int, batch: int = 1, dtype=jnp.float32) -> KVCache:
+def new_sharded_cache(cfg: ModelConfig, mesh: Mesh, capacity: int, batch: int = 1, dtype=None) -> KVCache:
     """An empty cache created directly in its shards (never materialised whole on one device)."""
     shapes = jax.eval_shape(lambda: init_cache(cfg, capacity, batch, dtype))
     return jax.tree_util.tree_map(lambda x, sh: jnp.zeros(x.shape, x.dtype, device=sh),

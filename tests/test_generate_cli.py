@@ -91,6 +91,10 @@ def test_cli_json_on_fixture(fixture_path, capsys):
                 "compile_seconds", "stop_reason", "seed"):
         assert key in d
     assert d["n_gen"] == len(d["tokens"]) <= 5 and d["n_prompt"] == len(d["prompt_ids"]) > 0
+    rc, out16, err = run_cli([fixture_path("qwen3"), "--prompt", "the cat", "--gen", "5", "--temperature", "0",
+                              "--json", "--quiet", "--cache-type", "f16"], capsys)
+    assert rc == 0, err
+    assert json.loads(out16)["n_prompt"] == d["n_prompt"]
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -102,6 +106,7 @@ def test_cli_json_on_fixture(fixture_path, capsys):
     (["missing-model.gguf", "-p", "hi"], "not found"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "not found"),
     (["--bogus-flag"], "unrecognized"),
+    (["--cache-type", "q4_0"], "--cache-type"),
 ])
 def test_cli_bad_input_is_one_line(argv, needle, capsys):
     rc, out, err = run_cli(argv, capsys)

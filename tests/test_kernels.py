@@ -246,6 +246,13 @@ def test_attention_kernel_matches_the_definition(window, H, K, Dh):
         one = np.asarray(jax.jit(kernels.attention, static_argnums=(4, 5))(q[:, t:t + 1], k, v, pos[:, t:t + 1], 0.2,
                                                                          window))
         np.testing.assert_array_equal(one[:, 0], got[:, t])
+    # an fp16 cache is read as its values widened exactly: bitwise the f32 cache holding those values
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    half = np.asarray(jax.jit(kernels.attention, static_argnums=(4, 5))(q, k16, v16, pos, 0.2, window))
+    wide = np.asarray(jax.jit(kernels.attention, static_argnums=(4, 5))(q, k16.astype(np.float32),
+                                                                        v16.astype(np.float32), pos, 0.2, window))
+    np.testing.assert_array_equal(half, wide)
+    assert not np.array_equal(half, got)  # the rounding to fp16 did change the inputs
 
 
 def test_attention_and_norm_rows_are_independent_of_the_batch():

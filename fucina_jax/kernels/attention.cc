@@ -6,8 +6,11 @@
 // Each (b, t, h) row is computed on its own, in one fixed order (dot products in 16 lanes folded by a fixed tree,
 // the softmax sum and the weighted V sum in slot order), so a row is bitwise the same whatever the other rows of
 // the step: decode and verify rows agree exactly. Only visible slots are read, so a step costs O(position) (O(window)
-// on sliding layers), not O(cache capacity). Compiled with -ffp-contract=off: the AVX-512 / AVX2 clones GCC makes of
+// on sliding layers), not O(cache capacity). The cache may be f32 or fp16 (each value widened exactly, then the same
+// arithmetic). Compiled with -ffp-contract=off: the AVX-512 / AVX2 clones GCC makes of
 // the row function do the same IEEE operations in the same order as the generic one.
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -175,9 +178,51 @@ void attend_block(const float* const* q, float* const* out, int n_rows, const in
   }
 }
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
-                         float scale, int64_t window) {
+// An fp16 KV cache: the slots a block reads are widened to f32 first (exactly: every fp16 value is an f32 value),
+// with F16C where the CPU has it, then attend_block runs on them as on an f32 cache, slot indices made relative.
+__attribute__((target("avx2,f16c"))) void widen_f16c(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = static_cast<float>(reinterpret_cast<const _Float16*>(src)[i]);
+}
+
+void widen_plain(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(reinterpret_cast<const _Float16*>(src)[i]);
+}
+
+void widen(const uint16_t* src, float* dst, int64_t n) {
+  static const bool f16c = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }();
+  f16c ? widen_f16c(src, dst, n) : widen_plain(src, dst, n);
+}
+
+void attend_block_f16(const float* const* q, float* const* out, int n_rows, const int64_t* lo, const int64_t* hi,
+                      const uint16_t* k, int64_t kstride, const uint16_t* v, int64_t vstride, int64_t Dh, int64_t Dv,
+                      float scale, float* scores, int64_t sstride, std::vector<float>& kbuf,
+                      std::vector<float>& vbuf) {
+  int64_t ulo = INT64_MAX, uhi = -1;
+  for (int r = 0; r < n_rows; ++r)
+    if (hi[r] >= lo[r]) ulo = std::min(ulo, lo[r]), uhi = std::max(uhi, hi[r]);
+  int64_t rlo[kRows], rhi[kRows];
+  const int64_t n = uhi >= ulo ? uhi - ulo + 1 : 0;
+  for (int r = 0; r < n_rows; ++r) {
+    rlo[r] = hi[r] >= lo[r] ? lo[r] - ulo : 0;
+    rhi[r] = hi[r] >= lo[r] ? hi[r] - ulo : -1;
+  }
+  kbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * Dh));
+  vbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * Dv));
+  for (int64_t j = 0; j < n; ++j) {
+    widen(k + (ulo + j) * kstride, kbuf.data() + j * Dh, Dh);
+    widen(v + (ulo + j) * vstride, vbuf.data() + j * Dv, Dv);
+  }
+  attend_block(q, out, n_rows, rlo, rhi, kbuf.data(), Dh, vbuf.data(), Dv, Dh, Dv, scale, scores, sstride);
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
     return ffi::Error::InvalidArgument("fucina_attention: q, k, v must be 4-D and pos 2-D");
@@ -186,15 +231,20 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       pd[1] != s.T || s.K == 0 || s.H % s.K)
     return ffi::Error::InvalidArgument("fucina_attention: inconsistent q/k/v/pos shapes");
   s.G = s.H / s.K;
+  const bool half = k.element_type() == ffi::DataType::F16;
+  if ((!half && k.element_type() != ffi::DataType::F32) || v.element_type() != k.element_type())
+    return ffi::Error::InvalidArgument("fucina_attention: the K and V caches must both be f32 or both f16");
   const float* qp = q.typed_data();
-  const float* kp = k.typed_data();
-  const float* vp = v.typed_data();
+  const float* kp = static_cast<const float*>(k.untyped_data());
+  const float* vp = static_cast<const float*>(v.untyped_data());
+  const uint16_t* kh16 = static_cast<const uint16_t*>(k.untyped_data());
+  const uint16_t* vh16 = static_cast<const uint16_t*>(v.untyped_data());
   const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
   // Work items: (batch row, kv head, block of kRows of its T * G query rows).
   const int64_t per_head = s.T * s.G, blocks = (per_head + kRows - 1) / kRows, items = s.B * s.K * blocks;
   auto run = [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(static_cast<size_t>(kRows * s.S));
+    std::vector<float> scores(static_cast<size_t>(kRows * s.S)), kbuf, vbuf;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t blk = it % blocks, kh = (it / blocks) % s.K, b = it / (blocks * s.K);
       const int64_t first = blk * kRows;
@@ -211,8 +261,14 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
         qrow[r] = qp + ((b * s.T + t) * s.H + h) * s.Dh;
         orow[r] = op + ((b * s.T + t) * s.H + h) * s.Dv;
       }
-      attend_block(qrow, orow, n_rows, lo, hi, kp + (b * s.S * s.K + kh) * s.Dh, s.K * s.Dh,
-                   vp + (b * s.S * s.K + kh) * s.Dv, s.K * s.Dv, s.Dh, s.Dv, scale, scores.data(), s.S);
+      const int64_t koff = (b * s.S * s.K + kh) * s.Dh, voff = (b * s.S * s.K + kh) * s.Dv;
+      if (half) {
+        attend_block_f16(qrow, orow, n_rows, lo, hi, kh16 + koff, s.K * s.Dh, vh16 + voff, s.K * s.Dv, s.Dh, s.Dv,
+                         scale, scores.data(), s.S, kbuf, vbuf);
+      } else {
+        attend_block(qrow, orow, n_rows, lo, hi, kp + koff, s.K * s.Dh, vp + voff, s.K * s.Dv, s.Dh, s.Dv, scale,
+                     scores.data(), s.S);
+      }
     }
   };
   // Waking a pool thread costs more than a short decode row's work: small calls stay on this thread.
@@ -233,8 +289,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaAttention, AttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")

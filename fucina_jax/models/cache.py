@@ -48,8 +48,15 @@ class KVCache:
 SLOT_ALIGN = 16
 
 
-def init_cache(cfg: ModelConfig, capacity: int, batch: int = 1, dtype=jnp.float32) -> KVCache:
-    """An empty cache of at least `capacity` slots (rounded up to a multiple of SLOT_ALIGN) for `batch` rows."""
+# ModelConfig.cache_type -> the K/V arrays' dtype. fp16 halves the cache (llama.cpp's default); rows are written
+# rounded to nearest even and read back widened exactly, on both paths (layers.write_kv, kernels.attention).
+CACHE_DTYPES = {"f32": jnp.float32, "f16": jnp.float16}
+
+
+def init_cache(cfg: ModelConfig, capacity: int, batch: int = 1, dtype=None) -> KVCache:
+    """An empty cache of at least `capacity` slots (rounded up to a multiple of SLOT_ALIGN) for `batch` rows, of
+    dtype (default: cfg.cache_type's)."""
+    dtype = dtype or CACHE_DTYPES[cfg.cache_type]
     capacity = -(-capacity // SLOT_ALIGN) * SLOT_ALIGN
     shapes: dict[int, tuple[int, int]] = {}
     for spec in cfg.layers:

@@ -49,6 +49,7 @@ class ModelConfig:
     ple_dim: int = 0  # Gemma 4 per-layer embedding width (0 = none)
     extra: tuple[tuple[str, Any], ...] = field(default=())  # arch-specific static facts, as sorted (key, value) pairs
     kernels: bool = False  # run on fucina_jax.kernels (packed weights, C attention); False: the pure-JAX reference
+    cache_type: str = "f32"  # KV cache element type, "f32" or "f16" (llama.cpp's --cache-type-k / -v)
 
     @property
     def n_layers(self) -> int:
