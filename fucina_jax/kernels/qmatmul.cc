@@ -143,14 +143,63 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_block_avx512(const flo
   s[1] = _mm512_reduce_add_epi32(i1);
 }
 
-void quantize_rows(const float* x, Act& a, bool avx512) {
+__attribute__((target("avx2"))) inline int32_t hsum8_avx2(__m256i t) {
+  __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+  u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+  return _mm_cvtsi128_si32(u);
+}
+
+// The same block with AVX2 (same bits: the same exact IEEE steps; _mm256_round_ps rounds to nearest even as
+// nearbyint does in the default rounding mode).
+__attribute__((target("avx2,fma,f16c"))) void quantize_block_avx2(const float* xb, int8_t* qb, float* dx, int32_t* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+  __m256 x[4], a[4];
+  int finite = 0xFF;
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(xb + 8 * i);
+    a[i] = _mm256_andnot_ps(sign, x[i]);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(a[i], inf, _CMP_LT_OQ));  // false for inf and NaN
+  }
+  if (finite != 0xFF) {
+    quantize_block_scalar(xb, qb, dx, s);
+    return;
+  }
+  __m256 m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_cvtps_epi32(_mm256_min_ps(
+        hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(x[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+  // int32 -> int8 in order: packs interleave the 128-bit halves, the final permute puts them back
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *dx = static_cast<float>(static_cast<_Float16>(d));
+  s[0] = hsum8_avx2(_mm256_add_epi32(v[0], v[1]));
+  s[1] = hsum8_avx2(_mm256_add_epi32(v[2], v[3]));
+}
+
+// isa: 0 AVX-512, 1 AVX2, else scalar (all give the same bits).
+void quantize_rows(const float* x, Act& a, int isa) {
   for (int64_t r = 0; r < a.M; ++r)
     for (int64_t b = 0; b < a.nb; ++b) {
       const float* xb = x + r * a.K + b * kQB;
       int8_t* qb = a.q.data() + (b * a.M + r) * kQB;
       float* dx = a.d.data() + b * a.M + r;
       int32_t* s = a.s16.data() + (b * a.M + r) * 2;
-      avx512 ? quantize_block_avx512(xb, qb, dx, s) : quantize_block_scalar(xb, qb, dx, s);
+      if (isa == 0) {
+        quantize_block_avx512(xb, qb, dx, s);
+      } else if (isa == 1) {
+        quantize_block_avx2(xb, qb, dx, s);
+      } else {
+        quantize_block_scalar(xb, qb, dx, s);
+      }
     }
 }
 
@@ -254,8 +303,8 @@ void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// AVX2 + FMA: 8 lanes per register, two halves per group. No VNNI: a byte product u * xq is split into nibbles so
-// vpmaddubsw (u8 x s8 pairs -> s16, saturating) never saturates: 2 * 15 * 127 < 32767.
+// AVX2 + FMA: 8 lanes per register, two halves per group. No VNNI: vpmaddubsw (u8 x s8 pairs -> s16, saturating)
+// and vpmaddwd (s16 pairs -> s32), arranged so that nothing saturates (see rows_avx2).
 // ------------------------------------------------------------------------------------------------------------------
 
 // 8 scales from element i of p (f16 or f32) as f32.
@@ -287,60 +336,88 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 offset8(const Weights& w,
   return _mm256_xor_ps(p, _mm256_set1_ps(-0.0f));  // -(dmin * m), exactly as negation
 }
 
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, float* out,
-                                                   int64_t ldo) {
-  const uint8_t* wq = w.q + g * w.nb * w.block_bytes();
-  const int cps = 8 / w.nsub;
+// A column group's half h (lanes 8h..8h+7) for R rows: each 32-block's codes are decoded once into 8 vectors (8 lanes
+// x 4 consecutive K values) and used by every row. vpmaddubsw takes the codes unsigned and the activations signed;
+// codes of 4-6 bits never saturate it, and up to SUM of its results are added in 16 bits before vpmaddwd widens
+// them (SUM * 2 * max code * 127 <= 32767). Byte codes u = w + 128 would saturate: they are multiplied as |w| by
+// sign(w) * xq (2 * 128 * 127 < 32767), which gives sum(w * xq) = I - 128 S directly, the same integer.
+template <int R, int BITS, int NSUB, bool AFFINE>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0,
+                                                         float* out, int64_t ldo) {
+  constexpr int kPlanes = BITS == 8 ? 0 : BITS - 4;
+  constexpr int kSum = BITS == 8 ? 1 : BITS == 6 ? 2 : 4;
+  constexpr int64_t bb = 64 * BITS;
+  const uint8_t* wq = w.q + g * w.nb * bb;
+  constexpr int nsub = NSUB, cps = 8 / NSUB;
   const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   // plane bits -> bytes: byte i of a 32-byte half takes bit i % 8 of byte i / 8 of the half's 4 plane bytes
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
                                           3, 3, 3, 3, 3, 3);
   const __m256i bitsel = _mm256_set1_epi64x(0x8040201008040201LL);
+  const int64_t xstep = x.M * kQB, dstep = x.M, cstep = x.M * nsub;
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < w.nb; ++b) {
-      const uint8_t* blk = wq + b * w.block_bytes();
-      const uint8_t* wb = blk + 32 * h;
-      for (int j = 0; j < w.nsub; ++j) {
-        const __m256 a = scale8(w, g, b, j, h);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xb = x.xq(r0 + r, b);
-          __m256i I = _mm256_setzero_si256();
-          for (int ci = j * cps; ci < (j + 1) * cps; ++ci) {
-            // 4-bit codes: chunk ci sits in the low (ci < 4) or high nibble of double chunk ci % 4
-            __m256i u =
-                w.bits < 8 ? _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                                                    wb + (ci & 3) * 64)), 4 * (ci >> 2)), nib)
-                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ci * 64));
-            for (int k = 0; k < w.planes(); ++k) {
-              int32_t p4;
-              std::memcpy(&p4, blk + 256 + 64 * k + 8 * ci + 4 * h, 4);
-              const __m256i set = _mm256_cmpeq_epi8(
-                  _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(p4), spread), bitsel), bitsel);
-              u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(static_cast<char>(16 << k))));
-            }
-            int32_t x4;
-            std::memcpy(&x4, xb + ci * 4, 4);
-            const __m256i xv = _mm256_set1_epi32(x4);
-            const __m256i lo = _mm256_and_si256(u, nib);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), nib);
-            const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xv), ones);
-            const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xv), ones);
-            I = _mm256_add_epi32(I, _mm256_add_epi32(plo, _mm256_slli_epi32(phi, 4)));
+    const int8_t* xb = x.xq(r0, 0);
+    const float* dxb = x.d.data() + r0;
+    const int32_t* cb = x.corr.data() + r0 * nsub;
+    const uint8_t* blk = wq;
+    for (int64_t b = 0; b < w.nb; ++b, blk += bb, xb += xstep, dxb += dstep, cb += cstep) {
+      __m256i cv[8], av[8];
+#pragma GCC unroll 8
+      for (int ci = 0; ci < 8; ++ci) {
+        if (BITS == 8) {
+          cv[ci] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + ci * 64 + 32 * h)),
+                                    _mm256_set1_epi8(static_cast<char>(0x80)));  // w = u - 128 as int8
+          av[ci] = _mm256_abs_epi8(cv[ci]);  // |w|; -128 stays 0x80, which vpmaddubsw reads as 128
+        } else {
+          // chunk ci sits in the low (ci < 4) or high nibble of double chunk ci % 4
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (ci & 3) * 64 + 32 * h));
+          __m256i u = _mm256_and_si256(ci < 4 ? v : _mm256_srli_epi16(v, 4), nib);
+#pragma GCC unroll 2
+          for (int k = 0; k < kPlanes; ++k) {
+            int32_t p4;
+            std::memcpy(&p4, blk + 256 + 64 * k + 8 * ci + 4 * h, 4);
+            const __m256i set = _mm256_cmpeq_epi8(
+                _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(p4), spread), bitsel), bitsel);
+            u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(static_cast<char>(16 << k))));
           }
-          const float dx = x.dx(r0 + r, b);
-          const int32_t S = x.sum(r0 + r, b, j, w.nsub);
-          const __m256 s = _mm256_mul_ps(_mm256_set1_ps(dx), a);
-          if (w.affine) {
-            acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(I), acc[r]);
-            const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(dx), offset8(w, g, b, j, h));
-            acc[r] = _mm256_fmadd_ps(sc, _mm256_set1_ps(static_cast<float>(S)), acc[r]);
+          cv[ci] = u;
+        }
+      }
+#pragma GCC unroll 2
+      for (int j = 0; j < nsub; ++j) {
+        const __m256 a = scale8(w, g, b, j, h);
+        const __m256 c = AFFINE ? offset8(w, g, b, j, h) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xb + r * kQB;
+          __m256i I = _mm256_setzero_si256();
+#pragma GCC unroll 8
+          for (int ci = j * cps; ci < (j + 1) * cps; ci += kSum) {
+            __m256i p16 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int t = 0; t < kSum; ++t) {
+              int32_t x4;
+              std::memcpy(&x4, xr + (ci + t) * 4, 4);
+              const __m256i xv = _mm256_set1_epi32(x4);
+              const __m256i p = BITS == 8 ? _mm256_maddubs_epi16(av[ci + t], _mm256_sign_epi8(xv, cv[ci + t]))
+                                          : _mm256_maddubs_epi16(cv[ci + t], xv);
+              p16 = t == 0 ? p : _mm256_add_epi16(p16, p);
+            }
+            I = _mm256_add_epi32(I, _mm256_madd_epi16(p16, ones));
+          }
+          const __m256 dx = _mm256_set1_ps(dxb[r]);
+          const int32_t corr = cb[r * nsub + j];
+          if (AFFINE) {
+            float S;
+            std::memcpy(&S, &corr, 4);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, a), _mm256_cvtepi32_ps(I), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, c), _mm256_set1_ps(S), acc[r]);
           } else {
-            I = _mm256_sub_epi32(I, _mm256_set1_epi32(w.zero * S));
-            acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(I), acc[r]);
+            if (BITS != 8) I = _mm256_sub_epi32(I, _mm256_set1_epi32(corr));  // byte codes: I is already I - 128 S
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, a), _mm256_cvtepi32_ps(I), acc[r]);
           }
         }
       }
@@ -349,13 +426,36 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Weights& w, int64_
   }
 }
 
-void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
+template <int BITS, int NSUB, bool AFFINE>
+void group_avx2_t(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
   for (int64_t r = r0; r < r1;) {
-    const int64_t n = r1 - r;
-    if (n >= 4) { rows_avx2<4>(w, g, x, r, out, ldo); r += 4; }
-    else if (n == 3) { rows_avx2<3>(w, g, x, r, out, ldo); r += 3; }
-    else if (n == 2) { rows_avx2<2>(w, g, x, r, out, ldo); r += 2; }
-    else { rows_avx2<1>(w, g, x, r, out, ldo); r += 1; }
+    switch (std::min<int64_t>(r1 - r, 8)) {
+      case 8: rows_avx2<8, BITS, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 8; break;
+      case 7: rows_avx2<7, BITS, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 7; break;
+      case 6: rows_avx2<6, BITS, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 6; break;
+      case 5: rows_avx2<5, BITS, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 5; break;
+      case 4: rows_avx2<4, BITS, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 4; break;
+      case 3: rows_avx2<3, BITS, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 3; break;
+      case 2: rows_avx2<2, BITS, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 2; break;
+      default: rows_avx2<1, BITS, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 1; break;
+    }
+  }
+}
+
+void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo);
+
+// The packed types' (bits, sub-blocks, affine) combinations; anything else (no packed type has it) stays exact on the
+// scalar code.
+void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
+  const int key = w.bits * 100 + w.nsub * 10 + w.affine;
+  switch (key) {
+    case 810: return group_avx2_t<8, 1, false>(w, g, x, r0, r1, out, ldo);  // Q8_0
+    case 410: return group_avx2_t<4, 1, false>(w, g, x, r0, r1, out, ldo);  // Q4_0
+    case 411: return group_avx2_t<4, 1, true>(w, g, x, r0, r1, out, ldo);   // Q4_1, Q4_K
+    case 510: return group_avx2_t<5, 1, false>(w, g, x, r0, r1, out, ldo);  // Q5_0
+    case 511: return group_avx2_t<5, 1, true>(w, g, x, r0, r1, out, ldo);   // Q5_1, Q5_K
+    case 620: return group_avx2_t<6, 2, false>(w, g, x, r0, r1, out, ldo);  // Q6_K
+    default: return group_scalar(w, g, x, r0, r1, out, ldo);
   }
 }
 
@@ -588,7 +688,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   act.d.resize(M * nb);
   act.s16.resize(M * 2 * nb);
   const int isa = current_isa();
-  quantize_rows(x.typed_data(), act, isa == 0);
+  quantize_rows(x.typed_data(), act, isa);
   act.make_corr(static_cast<int>(nsub), affine, w.zero);
   const GroupsFn fn = kIsas[isa].fn;
   float* out = y->typed_data();
