@@ -29,23 +29,59 @@ constexpr int kLanes = 16;
 
 #define FUCINA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-// 16 floats as one GCC vector: elementwise IEEE operations, one zmm on AVX-512, two ymm on AVX2, four xmm else.
+// 16 floats as one GCC vector: elementwise IEEE operations, one zmm on AVX-512. GCC keeps a vector wider than the
+// registers in memory, so the AVX2 and generic code use V16, the same 16 lanes as two 8-float halves: the same
+// operation on every lane, so the same bits.
 typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+struct V16 {
+  v8 lo, hi;
+  static V16 load(const float* p) {
+    return {*reinterpret_cast<const v8u*>(p), *reinterpret_cast<const v8u*>(p + 8)};
+  }
+  static V16 splat(float x) { return {v8{} + x, v8{} + x}; }
+  void store(float* p) const {
+    *reinterpret_cast<v8u*>(p) = lo;
+    *reinterpret_cast<v8u*>(p + 8) = hi;
+  }
+  V16 operator*(const V16& o) const { return {lo * o.lo, hi * o.hi}; }
+  V16& operator+=(const V16& o) {
+    lo += o.lo;
+    hi += o.hi;
+    return *this;
+  }
+};
+
+// The native 16-lane vector with V16's interface (AVX-512 code).
+struct W16 {
+  v16 v;
+  static W16 load(const float* p) { return {*reinterpret_cast<const v16*>(p)}; }
+  static W16 splat(float x) { return {v16{} + x}; }
+  void store(float* p) const { *reinterpret_cast<v16*>(p) = v; }
+  W16 operator*(const W16& o) const { return {v * o.v}; }
+  W16& operator+=(const W16& o) {
+    v += o.v;
+    return *this;
+  }
+};
 
 // a . b[s] over n values for N vectors b[s] at once: per vector 16 partial sums, then a fixed halving tree. The N
 // dot products are independent chains (4 keep the adder busy); each is computed exactly as with N = 1.
 template <int N>
 inline void dots_fixed(const float* a, const float* const* b, int64_t n, float* out) {
-  v16 acc[N];
-  for (int s = 0; s < N; ++s) acc[s] = v16{};
+  V16 acc[N];
+  for (int s = 0; s < N; ++s) acc[s] = V16::splat(0.0f);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const v16 av = *reinterpret_cast<const v16*>(a + i);
-    for (int s = 0; s < N; ++s) acc[s] += av * *reinterpret_cast<const v16*>(b[s] + i);
+    const V16 av = V16::load(a + i);
+    for (int s = 0; s < N; ++s) acc[s] += av * V16::load(b[s] + i);
   }
   for (int s = 0; s < N; ++s) {
     float t[kLanes];
-    std::memcpy(t, &acc[s], sizeof t);
+    acc[s].store(t);
     for (int l = 0; i + l < n; ++l) t[l] += a[i + l] * b[s][i + l];
     for (int w = kLanes / 2; w >= 1; w /= 2)
       for (int l = 0; l < w; ++l) t[l] += t[l + w];
@@ -54,12 +90,7 @@ inline void dots_fixed(const float* a, const float* const* b, int64_t n, float* 
 }
 
 // The fixed halving tree of 16 partial sums (lane l += lane l + w for w = 8, 4, 2, 1) on vector halves.
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-inline float fold16(const v16& x) {
-  v8 lo, hi;
-  std::memcpy(&lo, &x, 32);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
+inline float fold8(const v8& lo, const v8& hi) {
   const v8 s8 = lo + hi;
   v4 a, b;
   std::memcpy(&a, &s8, 16);
@@ -67,6 +98,13 @@ inline float fold16(const v16& x) {
   const v4 s4 = a + b;
   const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
   return s2a + s2b;
+}
+inline float fold16(const V16& x) { return fold8(x.lo, x.hi); }
+inline float fold16(const W16& x) {
+  v8 lo, hi;
+  std::memcpy(&lo, &x.v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x.v) + 32, 32);
+  return fold8(lo, hi);
 }
 
 inline float dot_fixed(const float* a, const float* b, int64_t n) {
@@ -104,10 +142,14 @@ constexpr int kRows = 4;  // query rows sharing one kv head computed together: e
 // at slot 0; slots are kstride / vstride apart). Every row's arithmetic is the one-row algorithm, in its order:
 // dot (16 partial sums over Dh, fixed tree) * scale per visible slot, max, exp and their sum in slot order, the
 // weighted V sum in slot order from 0, times 1 / sum. Sharing the slot loads changes no row's result.
-FUCINA_CLONES
-void attend_block(const float* const* q, float* const* out, int n_rows, const int64_t* lo, const int64_t* hi,
-                  const float* k, int64_t kstride, const float* v, int64_t vstride, int64_t Dh, int64_t Dv,
-                  float scale, float* scores, int64_t sstride) {
+// V is W16 (AVX-512) or V16; kDb output dims of the V sum are accumulated per pass (the registers they take: 64 on
+// AVX-512's 32 zmm, 16 on AVX2's 16 ymm); neither changes any row's arithmetic.
+template <typename V, int kDb>
+__attribute__((always_inline)) inline void attend_block_t(const float* const* q, float* const* out, int n_rows,
+                                                           const int64_t* lo, const int64_t* hi, const float* k,
+                                                           int64_t kstride, const float* v, int64_t vstride,
+                                                           int64_t Dh, int64_t Dv, float scale, float* scores,
+                                                           int64_t sstride) {
   int64_t ulo = INT64_MAX, uhi = -1;
   for (int r = 0; r < n_rows; ++r) {
     for (int64_t d = 0; d < Dv; ++d) out[r][d] = 0.0f;
@@ -118,19 +160,19 @@ void attend_block(const float* const* q, float* const* out, int n_rows, const in
   const int64_t nv = Dh / kLanes * kLanes;
   for (int64_t j = ulo; j <= uhi; ++j) {
     const float* kj = k + j * kstride;
-    v16 acc[kRows];
-    for (int r = 0; r < kRows; ++r) acc[r] = v16{};
+    V acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = V::splat(0.0f);
     for (int64_t i = 0; i < nv; i += kLanes) {
-      const v16 kv = *reinterpret_cast<const v16*>(kj + i);
+      const V kv = V::load(kj + i);
       for (int r = 0; r < kRows; ++r)
-        if (r < n_rows) acc[r] += *reinterpret_cast<const v16*>(q[r] + i) * kv;
+        if (r < n_rows) acc[r] += V::load(q[r] + i) * kv;
     }
     for (int r = 0; r < n_rows; ++r) {
       if (nv < Dh) {
         float t[kLanes];
-        std::memcpy(t, &acc[r], sizeof t);
+        acc[r].store(t);
         for (int l = 0; nv + l < Dh; ++l) t[l] += q[r][nv + l] * kj[nv + l];
-        std::memcpy(&acc[r], t, sizeof t);
+        acc[r] = V::load(t);
       }
       scores[r * sstride + j - ulo] = fold16(acc[r]) * scale;
     }
@@ -148,23 +190,24 @@ void attend_block(const float* const* q, float* const* out, int n_rows, const in
     inv[r] = 1.0f / l;
   }
   // out[r][d] = sum over the row's slots, in slot order, of e_j * v_j[d]; 64 dims x the rows stay in registers.
-  constexpr int kDb = 64, kC = kDb / kLanes;
+  constexpr int kC = kDb / kLanes;
   const int64_t ndv = Dv / kDb * kDb;
   for (int64_t d0 = 0; d0 < ndv; d0 += kDb) {
-    v16 acc[kRows][kC];
+    V acc[kRows][kC];
     for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kC; ++c) acc[r][c] = v16{};
+      for (int c = 0; c < kC; ++c) acc[r][c] = V::splat(0.0f);
     for (int64_t j = ulo; j <= uhi; ++j) {
       const float* vj = v + j * vstride + d0;
-      v16 vv[kC];
-      for (int c = 0; c < kC; ++c) vv[c] = *reinterpret_cast<const v16*>(vj + c * kLanes);
+      V vv[kC];
+      for (int c = 0; c < kC; ++c) vv[c] = V::load(vj + c * kLanes);
       for (int r = 0; r < kRows; ++r) {
         if (r >= n_rows || j < lo[r] || j > hi[r]) continue;
-        const v16 e = v16{} + scores[r * sstride + j - ulo];
+        const V e = V::splat(scores[r * sstride + j - ulo]);
         for (int c = 0; c < kC; ++c) acc[r][c] += e * vv[c];
       }
     }
-    for (int r = 0; r < n_rows; ++r) std::memcpy(out[r] + d0, acc[r], sizeof acc[r]);
+    for (int r = 0; r < n_rows; ++r)
+      for (int c = 0; c < kC; ++c) acc[r][c].store(out[r] + d0 + c * kLanes);
   }
   for (int r = 0; r < n_rows; ++r) {
     if (hi[r] < lo[r]) continue;
@@ -176,6 +219,30 @@ void attend_block(const float* const* q, float* const* out, int n_rows, const in
     }
     for (int64_t d = 0; d < Dv; ++d) o[d] *= inv[r];
   }
+}
+
+#define FUCINA_ATTEND_ARGS                                                                                       \
+  const float *const *q, float *const *out, int n_rows, const int64_t *lo, const int64_t *hi, const float *k,      \
+      int64_t kstride, const float *v, int64_t vstride, int64_t Dh, int64_t Dv, float scale, float *scores,        \
+      int64_t sstride
+#define FUCINA_ATTEND_CALL q, out, n_rows, lo, hi, k, kstride, v, vstride, Dh, Dv, scale, scores, sstride
+
+__attribute__((target("arch=x86-64-v4"))) void attend_block_v4(FUCINA_ATTEND_ARGS) {
+  attend_block_t<W16, 64>(FUCINA_ATTEND_CALL);
+}
+__attribute__((target("arch=x86-64-v3"))) void attend_block_v3(FUCINA_ATTEND_ARGS) {
+  attend_block_t<V16, 16>(FUCINA_ATTEND_CALL);
+}
+void attend_block_generic(FUCINA_ATTEND_ARGS) { attend_block_t<V16, 16>(FUCINA_ATTEND_CALL); }
+
+void attend_block(FUCINA_ATTEND_ARGS) {
+  static const int level = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v4") ? 4 : __builtin_cpu_supports("x86-64-v3") ? 3 : 0;
+  }();
+  if (level == 4) return attend_block_v4(FUCINA_ATTEND_CALL);
+  if (level == 3) return attend_block_v3(FUCINA_ATTEND_CALL);
+  attend_block_generic(FUCINA_ATTEND_CALL);
 }
 
 // An fp16 KV cache: the slots a block reads are widened to f32 first (exactly: every fp16 value is an f32 value),
