@@ -36,8 +36,12 @@ inline int32_t total_key(float f, int32_t fold) {
   return key + (fold & (key == -1));
 }
 
-typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t v16i __attribute__((vector_size(64)));
+// 8-lane GCC vectors: native on AVX2 and AVX-512 (GCC keeps vectors wider than the registers in memory, which made
+// 16-lane code 25x slower on AVX2). The results below do not depend on the lane count.
+typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v8iu __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int64_t v4l __attribute__((vector_size(32)));
 
 // (key, index): `a` ranks before `b` when its key is larger, or equal with a lower index.
 inline bool ranks_before(const std::pair<int32_t, int32_t>& a, const std::pair<int32_t, int32_t>& b) {
@@ -64,14 +68,21 @@ void top_k_row(const float* x, int64_t V, int64_t k, int32_t fold, float* vals, 
     thr = heap.front().first;
   };
   constexpr int kBlock = 16;
+  const v8i foldv = v8i{} + fold;
   for (; i + kBlock <= V; i += kBlock) {
-    int32_t keys[kBlock];
-    bool any = false;
-    for (int l = 0; l < kBlock; ++l) {
-      keys[l] = total_key(x[i + l], fold);
-      any |= keys[l] > thr;
+    // total_key of 16 values as two 8-lane vectors
+    v8i k[2];
+    for (int h = 0; h < 2; ++h) {
+      const v8i b = *reinterpret_cast<const v8iu*>(x + i + 8 * h);
+      const v8i key = b ^ ((b >> 31) & 0x7FFFFFFF);
+      k[h] = key + (foldv & -(key == -1));  // (key == -1) is -1 per true lane
     }
-    if (!any) continue;
+    const v8i over = (k[0] > thr) | (k[1] > thr);
+    v4l o;
+    std::memcpy(&o, &over, sizeof o);
+    if (((o[0] | o[1]) | (o[2] | o[3])) == 0) continue;
+    int32_t keys[kBlock];
+    std::memcpy(keys, k, sizeof keys);
     for (int l = 0; l < kBlock; ++l)
       if (keys[l] > thr) offer(keys[l], i + l);
   }
@@ -89,24 +100,29 @@ void top_k_row(const float* x, int64_t V, int64_t k, int32_t fold, float* vals, 
 
 FUCINA_CLONES
 int32_t argmax_row(const float* x, int64_t V) {
-  // One pass: per lane of 16, the maximum and the first index holding it (a NaN never compares greater, so it is
-  // skipped; +0.0 and -0.0 are equal, so the earlier stays); then the lowest index among the lanes' maxima.
+  // One pass: per lane of 16 (two 8-lane halves), the maximum and the first index holding it (a NaN never compares
+  // greater, so it is skipped; +0.0 and -0.0 are equal, so the earlier stays); then the lowest index among the
+  // lanes' maxima.
   constexpr int kBlock = 16;
-  v16f m = v16f{} - INFINITY;
-  v16i at = v16i{} - 1;
-  v16i lane;
-  for (int l = 0; l < kBlock; ++l) lane[l] = l;
+  v8f m[2] = {v8f{} - INFINITY, v8f{} - INFINITY};
+  v8i at[2] = {v8i{} - 1, v8i{} - 1};
+  v8i lane;
+  for (int l = 0; l < 8; ++l) lane[l] = l;
   int64_t i = 0;
   for (; i + kBlock <= V && i + kBlock <= INT32_MAX; i += kBlock) {
-    const v16f v = *reinterpret_cast<const v16f*>(x + i);
-    const v16i gt = v > m;
-    m = gt ? v : m;
-    at = gt ? lane + static_cast<int32_t>(i) : at;
+    for (int h = 0; h < 2; ++h) {
+      const v8f v = *reinterpret_cast<const v8f*>(x + i + 8 * h);
+      const v8i gt = v > m[h];
+      m[h] = gt ? v : m[h];
+      at[h] = gt ? lane + static_cast<int32_t>(i + 8 * h) : at[h];
+    }
   }
   float best = -INFINITY;
   int64_t best_at = -1;
-  for (int l = 0; l < kBlock; ++l)
-    if (at[l] >= 0 && (m[l] > best || (m[l] == best && at[l] < best_at))) best = m[l], best_at = at[l];
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 8; ++l)
+      if (at[h][l] >= 0 && (m[h][l] > best || (m[h][l] == best && at[h][l] < best_at)))
+        best = m[h][l], best_at = at[h][l];
   for (; i < V; ++i)
     if (x[i] > best) best = x[i], best_at = i;
   if (best_at < 0) {  // nothing above -inf: the first -inf, or V - 1 when every value is NaN
