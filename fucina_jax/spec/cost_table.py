@@ -20,8 +20,27 @@ __all__ = ["DEFAULT_TABLE_PATH", "FORMAT", "FORMAT_VERSION", "read_cost_points"]
 
 FORMAT = "fucina_jax.cost_table"
 FORMAT_VERSION = 1
-# Package data: produced by the probe on the embedded Gemma 3 270M (see its "command" field).
-DEFAULT_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_cost_table.json")
+
+def _kernel_isa() -> str:
+    """'avx512' where the quantized kernels run their AVX-512 VNNI code, else 'avx2' (read from /proc/cpuinfo, so
+    without importing JAX or the kernels; the two instruction sets price a verify very differently)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return "avx512" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else "avx2"
+    except OSError:
+        pass
+    return "avx512"
+
+
+# Package data: produced by the probe on the embedded Gemma 3 270M (see each file's "command" and "machine" fields),
+# one table per kernel instruction set: an AVX-512 VNNI Zen 4 (default_cost_table.json) and an AVX2-only Zen 3
+# (default_cost_table_avx2.json), where the multi-row matmuls cost ~4x more instructions per MAC.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_TABLE_PATH = os.path.join(
+    _HERE, "default_cost_table_avx2.json" if _kernel_isa() == "avx2" else "default_cost_table.json")
 
 
 def read_cost_points(path: str | os.PathLike) -> list[tuple[int, float]]:
