@@ -102,6 +102,25 @@ def test_shipped_default_table_is_probe_output():
     CostGate(SpecOptions(cost_table=table))
 
 
+def test_a_shipped_table_per_kernel_instruction_set():
+    """Both shipped tables are probe output for every verify bucket, and the one the gate starts from is the one of
+    the instruction set the kernels run on this CPU (detected from /proc/cpuinfo, without the kernels)."""
+    import os
+
+    from fucina_jax import kernels
+
+    here = os.path.dirname(DEFAULT_TABLE_PATH)
+    tables = {isa: os.path.join(here, name) for isa, name in
+              (("avx512", "default_cost_table.json"), ("avx2", "default_cost_table_avx2.json"))}
+    for path in tables.values():
+        with open(path) as f:
+            assert "spec.bench" in json.load(f)["command"]
+        assert [p.draft_len for p in load_cost_table(path)] == [w - 1 for w in engine.VERIFY_BUCKETS]
+    if kernels.available():
+        best = kernels.supported_isas()[0]
+        assert DEFAULT_TABLE_PATH == tables["avx512" if best == "avx512" else "avx2"]
+
+
 # ---- the CLI: --spec-bench and --cost-table -----------------------------------------------------------------------
 
 
