@@ -100,20 +100,33 @@ def load_params(
     def put(x):
         return jax.tree_util.tree_map(place, x)
 
-    params: dict = {}
-    for spec in global_specs:
-        arr = _read(gf, spec, spec.name, arch, packed)
-        if arr is not None:
-            params[spec.key] = put(arr)
-    layers = []
-    for l in range(n_layers):
+    def read_globals():
+        out = {}
+        for spec in global_specs:
+            arr = _read(gf, spec, spec.name, arch, packed)
+            if arr is not None:
+                out[spec.key] = put(arr)
+        return out
+
+    def read_layer(l):
         lp = {}
         for spec in layer_specs(l):
             arr = _read(gf, spec, spec.name.format(l=l), arch, packed)
             if arr is not None:
                 lp[spec.key] = arr
-        layers.append(put(fuse(l, lp) if fuse else lp))
-        if progress:
-            progress(l + 1, n_layers)
+        return put(fuse(l, lp) if fuse else lp)
+
+    # The globals (the embedding: the largest tensor) are read on a second thread while the layers are read here:
+    # NumPy's packing releases the GIL, and the transient host memory stays one tensor more.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        glob = pool.submit(read_globals)
+        layers = []
+        for l in range(n_layers):
+            layers.append(read_layer(l))
+            if progress:
+                progress(l + 1, n_layers)
+        params: dict = glob.result()
     params["layers"] = tuple(layers)
     return params
