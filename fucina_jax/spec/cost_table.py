@@ -22,8 +22,11 @@ FORMAT = "fucina_jax.cost_table"
 FORMAT_VERSION = 1
 
 def _kernel_isa() -> str:
-    """'avx512' where the quantized kernels run their AVX-512 VNNI code, else 'avx2' (read from /proc/cpuinfo, so
-    without importing JAX or the kernels; the two instruction sets price a verify very differently)."""
+    """'avx512' where the quantized kernels run their AVX-512 VNNI code, else 'avx2' (read from /proc/cpuinfo and
+    FUCINA_KERNEL_ISA, so without importing JAX or the kernels; the two instruction sets price a verify very
+    differently)."""
+    if os.environ.get("FUCINA_KERNEL_ISA") in ("avx2", "scalar"):
+        return "avx2"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
