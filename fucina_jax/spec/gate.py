@@ -47,13 +47,13 @@ class CostPoint:
     cost: float
 
 
-# Measured on the embedded Gemma 3 270M Q4_K_M (dequantized to f32) by the --spec-bench probe (fucina_jax.spec.bench:
-# the fused verify+sample step of each width against the fused decode+sample step, calls interleaved, best of
-# several pairs per round, median of rounds; the CLI's default sampler, ctx 4096, 128 cached tokens) and shipped as
-# package data: the file records the command, date, machine and raw ratios. Earlier runs of the same measurement
-# gave C(width 2, 4, 8, 16) = 0.99, 1.15, 1.37, 1.90; greedy: 0.97, 1.06, 1.28, 1.69. A width-2 verify is entered as 1.0: a verify never costs less than the plain step it replaces. On this CPU a
-# decode step is bound by streaming the weights (the f32 262k x 640 unembedding alone is 670 MB), which a verify
-# streams once for all its rows: verifies are cheap here, unlike the design record's M1 table (verify-16 = 4.5).
+# Measured on the embedded Gemma 3 270M Q4_K_M by the --spec-bench probe (fucina_jax.spec.bench: the fused
+# verify+sample step of each width against the fused decode+sample step, calls interleaved, best of several pairs per
+# round, median of rounds; the CLI's default sampler, ctx 4096, 128 cached tokens) and shipped as package data, one
+# file per kernel instruction set (spec/cost_table.py picks it): the file records the command, date, machine and raw
+# ratios. On an AVX-512 VNNI Zen 4 C(width 2, 4, 8, 16) = 1.05, 1.12, 1.40, 2.75; on an AVX2-only Zen 3 1.04, 1.38,
+# 1.95, 3.84 (its multi-row int8 products cost ~4x the instructions). A measured cost below 1 is entered as 1.0: a
+# verify never costs less than the plain step it replaces. The gate's live multiplier (above) learns the rest.
 # A draft of d tokens runs the padded bucket of width bucket_for(d + 1), so the decoder prices a verify at the
 # bucket's draft slots (width - 1): the keys are those slots; interpolation only serves custom tables.
 DEFAULT_COST_TABLE: tuple[CostPoint, ...] = tuple(CostPoint(d, c) for d, c in read_cost_points(DEFAULT_TABLE_PATH))
