@@ -182,11 +182,11 @@ __attribute__((always_inline)) inline void attend_block_t(const float* const* q,
     float* sc = scores + r * sstride - ulo;
     float m = -INFINITY;
     for (int64_t j = lo[r]; j <= hi[r]; ++j) m = std::max(m, sc[j]);
-    // the exponentials first (each a pure function of its slot: the vectoriser may take them 8 at a time), then
-    // their sum in slot order
-    for (int64_t j = lo[r]; j <= hi[r]; ++j) sc[j] = exp_neg(sc[j] - m);
     float l = 0.0f;
-    for (int64_t j = lo[r]; j <= hi[r]; ++j) l += sc[j];
+    for (int64_t j = lo[r]; j <= hi[r]; ++j) {
+      sc[j] = exp_neg(sc[j] - m);
+      l += sc[j];
+    }
     inv[r] = 1.0f / l;
   }
   // out[r][d] = sum over the row's slots, in slot order, of e_j * v_j[d]; 64 dims x the rows stay in registers.

@@ -446,8 +446,6 @@ void group_avx2_t(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t
   }
 }
 
-void group_scalar(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo);
-
 // The packed types' (bits, sub-blocks, affine) combinations; anything else (no packed type has it) stays exact on the
 // scalar code.
 void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
