@@ -1,7 +1,8 @@
 """Build of the native parts with the system compilers; metadata lives in pyproject.toml.
 
 - fucina_jax/index/sam.c: the suffix automaton's C core.
-- fucina_jax/kernels/qmatmul.cc: quantized matmul kernels called from jax.jit through the XLA FFI. Compiled against
+- fucina_jax/kernels/qmatmul.cc (+ attention.cc, select.cc, pack.cc): quantized matmul kernels called from jax.jit
+  through the XLA FFI, and loading's packing loops. Compiled against
   the FFI headers jaxlib ships (a build requirement), for the generic x86-64 baseline: the AVX2 and AVX-512
   functions carry target attributes and are picked at run time, so one build runs on any x86-64 CPU.
 
@@ -37,7 +38,8 @@ setup(
         ),
         Extension(
             "fucina_jax.kernels._qmatmul",
-            sources=["fucina_jax/kernels/qmatmul.cc", "fucina_jax/kernels/attention.cc", "fucina_jax/kernels/select.cc"],
+            sources=["fucina_jax/kernels/qmatmul.cc", "fucina_jax/kernels/attention.cc", "fucina_jax/kernels/select.cc",
+                     "fucina_jax/kernels/pack.cc"],
             depends=["fucina_jax/kernels/parallel.h"],
             extra_compile_args=_CXXFLAGS + ["-isystem", _ffi_include()],  # system: no warnings from XLA's headers
             language="c++",

@@ -81,6 +81,35 @@ def test_pack_tensor_is_byte_identical_to_the_reference(qtype, n, rows_per_chunk
             assert arr.ctypes.data % 64 == 0
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_pack_loops_in_c_equal_their_numpy_form(qtype, monkeypatch):
+    """pack.cc's Q8_0 and code-narrowing loops write the bytes of the NumPy statements they replace (the fallback
+    where the extension is not built)."""
+    from fucina_jax.kernels import pack
+
+    block = GGML_QUANT_SIZES[qtype][0]
+    n, k = 80, (512 if block == 256 else 160)
+    raw = random_tensor(qtype, n, k, seed=7)
+    fast = pack_tensor(raw, qtype, (n, k), rows_per_chunk=32)
+    monkeypatch.setattr(pack, "_native", lambda: None)
+    assert_same_bytes(fast, pack_tensor(raw, qtype, (n, k), rows_per_chunk=32))
+
+
+@needs_kernels
+def test_pack_loops_refuse_short_buffers():
+    from fucina_jax.kernels import _qmatmul
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _qmatmul.pack_q8_0(np.zeros(34 * 8, np.uint8), 8, 1, np.zeros(256, np.uint8), np.zeros(16, np.uint8))
+    with pytest.raises(ValueError, match="the codes"):
+        _qmatmul.pack_q8_0(np.zeros(34 * 16, np.uint8), 16, 1, np.zeros(511, np.uint8), np.zeros(32, np.uint8))
+    with pytest.raises(ValueError, match="whole blocks"):
+        _qmatmul.narrow_codes(np.zeros(500, np.uint8), np.zeros(320, np.uint8), 5, 112)
+    with pytest.raises(ValueError, match="narrowed codes"):
+        _qmatmul.narrow_codes(np.zeros(512, np.uint8), np.zeros(319, np.uint8), 5, 112)
+
+
 def test_aligned_empty_and_device_put_adopts_it():
     """The peak-RSS saving rests on this: XLA's CPU client takes a 64-byte aligned host buffer without a copy. If a
     JAX release stops doing so, loading still works but holds each packed weight twice while placing it."""

@@ -295,8 +295,7 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
         g0, g1 = n0 // LANES, -(-n1 // LANES)
         chunk = rows[n0:n1]
         if qtype == T.Q8_0 and n1 - n0 == (g1 - g0) * LANES:
-            _q8_0_into(q32[g0:g1], chunk, nb)
-            _lanes_into(a[g0:g1], _f16(chunk.reshape(-1, type_size), 0).reshape(n1 - n0, per_row))
+            _q8_0_into(q32[g0:g1], a[g0:g1], chunk, nb)
         else:
             u_, a_, c_ = decoder(chunk.reshape(-1, type_size))
             u_, a_ = u_.reshape(n1 - n0, K), a_.astype(np.float32).reshape(n1 - n0, per_row)
@@ -307,7 +306,7 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
             if bits < 8:
                 full = np.empty((g1 - g0, nb * 8 * LANES * 4), np.uint8)
                 _lanes_into(full.view(np.uint32), np.ascontiguousarray(u_).view(np.uint32))
-                q[g0:g1] = _narrow_codes(full, bits, not affine)
+                _narrow_into(q[g0:g1], full, bits, not affine)
             else:
                 _lanes_into(q32[g0:g1], np.ascontiguousarray(u_).view(np.uint32))
             if kscale:
@@ -324,11 +323,35 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     return q, a, c, bs
 
 
-def _q8_0_into(dst: np.ndarray, chunk: np.ndarray, nb: int) -> None:
-    """Q8_0 rows straight into the packed codes, no decode copy: the 32 int8 of a block (after its 2-byte scale) are
-    moved as 8 unaligned uint32 words, and XOR 0x80808080 flips the sign bit of each byte (q + 128) on the way (the
-    bytes stay in file order, so the host's byte order does not matter)."""
+def _native():
+    """The kernels' extension module (pack.cc's loops), or None where it is not built (NumPy then does the same)."""
+    try:
+        from fucina_jax.kernels import _qmatmul
+    except ImportError:
+        return None
+    return _qmatmul
+
+
+def _q8_0_into(dst: np.ndarray, scales: np.ndarray, chunk: np.ndarray, nb: int) -> None:
+    """Q8_0 rows (whole 16-column groups) straight into the packed codes and fp16 scales, no decode copy. NumPy
+    form: the 32 int8 of a block (after its 2-byte scale) are moved as 8 unaligned uint32 words, and XOR 0x80808080
+    flips the sign bit of each byte (q + 128) on the way (the bytes stay in file order, so the host's byte order
+    does not matter); the scales are the file's fp16 bytes, lanes last."""
     n, row = chunk.shape
+    native = _native()
+    if native is not None:
+        native.pack_q8_0(np.ascontiguousarray(chunk), n, nb, dst, scales)
+        return
     words = np.ndarray((n // LANES, LANES, nb, 8), np.uint32, buffer=np.ascontiguousarray(chunk), offset=2,
                        strides=(LANES * row, row, 2 + QBLOCK, 4))
     np.bitwise_xor(words.transpose(0, 2, 3, 1), np.uint32(0x80808080), out=dst.reshape(n // LANES, nb, 8, LANES))
+    _lanes_into(scales, _f16(chunk.reshape(-1, 2 + QBLOCK), 0).reshape(n, nb))
+
+
+def _narrow_into(dst: np.ndarray, full: np.ndarray, bits: int, symmetric: bool) -> None:
+    """dst[...] = _narrow_codes(full, bits, symmetric), in C where built."""
+    native = _native()
+    if native is None:
+        dst[...] = _narrow_codes(full, bits, symmetric)
+    else:
+        native.narrow_codes(full, dst, bits, 128 - (1 << (bits - 1)) if symmetric else 0)

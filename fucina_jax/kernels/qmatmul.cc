@@ -723,6 +723,8 @@ extern "C" XLA_FFI_Error* FucinaNormRope(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaResidualNorm(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaTopK(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaArgmax(XLA_FFI_CallFrame* call_frame);
+extern "C" PyObject* fucina_py_pack_q8_0(PyObject*, PyObject* args);  // pack.cc
+extern "C" PyObject* fucina_py_narrow_codes(PyObject*, PyObject* args);
 
 // name -> the XLA FFI handler registered under "fucina_" + name (fucina_jax/kernels/__init__.py)
 static PyObject* py_handlers(PyObject*, PyObject*) {
@@ -779,6 +781,8 @@ static PyMethodDef kMethods[] = {
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use now."},
     {"supported_isas", py_supported_isas, METH_NOARGS, "Instruction sets this CPU can run, best first."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this instruction set (avx512, avx2, scalar)."},
+    {"pack_q8_0", fucina_py_pack_q8_0, METH_VARARGS, "Q8_0 rows -> packed codes and scales (pack.py)."},
+    {"narrow_codes", fucina_py_narrow_codes, METH_VARARGS, "Byte codes -> nibbles + bit planes (pack.py)."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_qmatmul", "Quantized matmul kernels (XLA FFI).", -1, kMethods};
