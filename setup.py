@@ -1,6 +1,7 @@
 """Build of the native parts with the system compilers; metadata lives in pyproject.toml.
 
 - fucina_jax/index/sam.c: the suffix automaton's C core.
+- fucina_jax/gguf_strings.c: a GGUF header's string arrays (the vocabulary) in one C pass.
 - fucina_jax/kernels/qmatmul.cc (+ attention.cc, select.cc, pack.cc): quantized matmul kernels called from jax.jit
   through the XLA FFI, and loading's packing loops. Compiled against
   the FFI headers jaxlib ships (a build requirement), for the generic x86-64 baseline: the AVX2 and AVX-512
@@ -34,6 +35,11 @@ setup(
         Extension(
             "fucina_jax.index._sam",
             sources=["fucina_jax/index/sam.c"],
+            extra_compile_args=_CFLAGS,
+        ),
+        Extension(
+            "fucina_jax._gguf_strings",
+            sources=["fucina_jax/gguf_strings.c"],
             extra_compile_args=_CFLAGS,
         ),
         Extension(

@@ -87,9 +87,23 @@ class _Header:
         return s
 
     def strings(self, n: int) -> list[str]:
-        """An array of n strings. One tight pass (length, slice) then one decode per string: a vocabulary of 262k
-        tokens in ~0.1 s instead of ~1 s through `string`. Anything odd (a length past the end, bad UTF-8) reruns
-        the array through `string`, which raises the precise error."""
+        """An array of n strings in one pass: a vocabulary of 262k tokens in ~20 ms in C (gguf_strings.c), ~0.17 s
+        in Python where that is not built (_strings_py), ~1 s through `string`. Anything odd (a length past the
+        end, bad UTF-8) reruns the array through `string`, which raises the precise error."""
+        try:
+            from fucina_jax._gguf_strings import strings as c_strings
+        except ImportError:  # not built: the same walk in Python below
+            pass
+        else:
+            got = c_strings(self.buf, self.pos, n)
+            if got is None:  # odd: the per-item parser raises the precise error
+                return [self.string() for _ in range(n)]
+            out, self.pos = got
+            return out
+        return self._strings_py(n)
+
+    def _strings_py(self, n: int) -> list[str]:
+        """strings() in Python: one tight pass (length, slice), then one decode per string."""
         start, buf, unpack = self.pos, self.buf, _U64.unpack_from
         pieces = []
         append = pieces.append

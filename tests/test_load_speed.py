@@ -167,7 +167,18 @@ def big_string_list(n=20000, seed=0):
     return out
 
 
-def test_string_array_matches_per_item_parser_and_gguf_reader(tmp_path, monkeypatch):
+@pytest.fixture(params=["c", "python"])
+def string_parser(request, monkeypatch):
+    """Run a test with the C string-array walk (gguf_strings.c), then with its Python form (where it is not
+    built)."""
+    if request.param == "c":
+        pytest.importorskip("fucina_jax._gguf_strings")
+    else:
+        monkeypatch.setitem(sys.modules, "fucina_jax._gguf_strings", None)  # import fails: the Python walk
+    return request.param
+
+
+def test_string_array_matches_per_item_parser_and_gguf_reader(tmp_path, monkeypatch, string_parser):
     import gguf
 
     strings = big_string_list()
@@ -188,7 +199,7 @@ def _error(path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bad_utf8", "huge_length"])
-def test_corrupt_string_array_raises_the_per_item_error(tmp_path, monkeypatch, damage):
+def test_corrupt_string_array_raises_the_per_item_error(tmp_path, monkeypatch, damage, string_parser):
     strings = ["ab", "cdé", "x" * 10] * 50
     path = write_strings(tmp_path / "s.gguf", strings)
     data = bytearray(open(path, "rb").read())
