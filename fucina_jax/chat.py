@@ -219,7 +219,7 @@ def _turn_decoder_class():
 
         def resume(self, keep: int, ids: np.ndarray):
             """Make the stream `ids`, reusing the cache for ids[:keep] (which must equal stream[:keep]); prefill
-            the rest and return the logits after the last id. The source is not shown anything (TurnGate.sync)."""
+            the rest and return the logits [1, V] after the last id. The source is not shown anything (TurnGate.sync)."""
             ids = np.asarray(ids, np.int32)
             if not 0 < ids.size < self.ctx:
                 raise ContextFullError(
@@ -234,7 +234,7 @@ def _turn_decoder_class():
             self.cache = None
             self.n = 0  # until the prefill is done, nothing in the cache can be trusted
             self._cache_len = 0
-            logits, cache = self.model.prefill(ids[c:], truncate(cache, c))
+            logits, cache = self.model.prefill_rows(ids[c:], truncate(cache, c))
             self.cache = cache
             self._cache_len = int(ids.size)
             self.stream[: ids.size] = ids

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import jax.numpy as jnp
+import numpy as np
 
 from fucina_jax import engine, sampling
 from fucina_jax.errors import ContextFullError
@@ -154,14 +155,14 @@ def _plain_loop(model, prompt, max_tokens, cfg: SamplerConfig, ctx, stops, gen: 
     tokens: list[int] = []
     stop = "max_tokens"
     if max_tokens > 0:
-        logits, cache = timer.run("prompt", model.prefill, prompt, cache)
+        logits, cache = timer.run("prompt", model.prefill_rows, prompt, cache)
         tok = timer.run(
-            "decode", sampling.sample_rows, logits[None], jnp.asarray([len(prompt)], jnp.int32), history, None,
+            "decode", sampling.sample_rows, logits, np.asarray([len(prompt)], np.int32), history, None,
             sparams, cap=cap,
         )
-        history = sampling.push_history(history, tok, jnp.int32(1))
+        history = sampling.push_history(history, tok, np.int32(1))
         while True:
-            t = int(tok[0])
+            t = int(np.asarray(tok)[0])
             if t in stops:
                 stop = "eog"
                 break

@@ -138,7 +138,7 @@ class Model:
             n = chunk.size
             padded = np.zeros((1, width), np.int32)
             padded[0, :n] = chunk
-            logits, cache = engine.verify_step(self.params, jnp.asarray(padded), cache, self.config)
+            logits, cache = engine.verify_step(self.params, padded, cache, self.config)
             cache = truncate(cache, start + n)
             out.append(np.asarray(logits[0, :n]))
         return np.concatenate(out, axis=0)
@@ -175,11 +175,17 @@ class Model:
 
     def prefill(self, ids, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Append ids to row 0 of the cache in bucketed chunks; returns the logits [V] after the last id."""
+        rows, cache = self.prefill_rows(ids, cache)
+        return rows[0], cache
+
+    def prefill_rows(self, ids, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """prefill, with the logits as the [1, V] row the sampling steps take (no eager op to reshape them: each
+        costs a compile, or a compile-cache read, at start-up)."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
         self.check_ids(ids)
-        start = int(cache.length[0])
+        start = int(np.asarray(cache.length)[0])
         if start + ids.size > cache.capacity:
             raise ContextFullError(
                 f"{ids.size} tokens after {start} cached ones exceed the context of {cache.capacity} tokens; "
@@ -193,9 +199,9 @@ class Model:
             padded = np.zeros((1, T), np.int32)
             padded[0, : chunk.size] = chunk
             logits, cache = engine.prefill_step(
-                self.params, jnp.asarray(padded), jnp.asarray([chunk.size], jnp.int32), cache, self.config
+                self.params, padded, np.asarray([chunk.size], np.int32), cache, self.config
             )
-        return logits[0], cache
+        return logits, cache
 
 
 def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: bool = False,

@@ -168,19 +168,19 @@ class SamplerConfig:
         """The per-call values as 0-d arrays (validates first; call validate() once yourself if seed is None,
         or every call draws a new random seed)."""
         c = self.validate()
-        f32, i32 = jnp.float32, jnp.int32
-        return SamplerParams(
-            temperature=jnp.asarray(c.temperature, f32),
-            top_k=jnp.asarray(c.top_k, i32),
-            top_p=jnp.asarray(c.top_p, f32),
-            min_p=jnp.asarray(c.min_p, f32),
-            min_keep=jnp.asarray(c.min_keep, i32),
-            repeat_penalty=jnp.asarray(c.repeat_penalty, f32),
-            repeat_last_n=jnp.asarray(c.repeat_last_n, i32),
-            frequency_penalty=jnp.asarray(c.frequency_penalty, f32),
-            presence_penalty=jnp.asarray(c.presence_penalty, f32),
-            seed=jnp.asarray(c.seed, jnp.uint32),
-        )
+        f32, i32 = np.float32, np.int32
+        return jax.device_put(SamplerParams(  # device_put of host values: a copy, no compiled op (start-up cost)
+            temperature=np.asarray(c.temperature, f32),
+            top_k=np.asarray(c.top_k, i32),
+            top_p=np.asarray(c.top_p, f32),
+            min_p=np.asarray(c.min_p, f32),
+            min_keep=np.asarray(c.min_keep, i32),
+            repeat_penalty=np.asarray(c.repeat_penalty, f32),
+            repeat_last_n=np.asarray(c.repeat_last_n, i32),
+            frequency_penalty=np.asarray(c.frequency_penalty, f32),
+            presence_penalty=np.asarray(c.presence_penalty, f32),
+            seed=np.asarray(c.seed, np.uint32),
+        ))
 
     def candidate_cap(self, n_vocab: int) -> int:
         """Static number of sorted candidates: top_k rounded up to a power of two (so nearby top_k values share a
@@ -234,7 +234,7 @@ def history_from_tokens(tokens: Sequence[int], capacity: int) -> History:
     tail = np.asarray(list(tokens)[-capacity:] if len(tokens) else [], dtype=np.int32)
     buf = np.full((capacity,), -1, dtype=np.int32)
     buf[: tail.size] = tail
-    return History(jnp.asarray(buf), jnp.asarray(tail.size, jnp.int32))
+    return jax.device_put(History(buf, np.asarray(tail.size, np.int32)))
 
 
 @jax.jit

@@ -18,9 +18,11 @@ before attending and the causal mask hides every slot past the query's own posit
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fucina_jax.models.config import ModelConfig
 
@@ -62,12 +64,16 @@ def init_cache(cfg: ModelConfig, capacity: int, batch: int = 1, dtype=None) -> K
     for spec in cfg.layers:
         if spec.writes_kv:
             shapes[spec.kv_slot] = (spec.n_kv_heads, spec.head_dim)
-    ks, vs = [], []
-    for slot in range(cfg.n_kv_slots):
-        kh, dh = shapes[slot]
-        ks.append(jnp.zeros((batch, capacity, kh, dh), dtype))
-        vs.append(jnp.zeros((batch, capacity, kh, dh), dtype))
-    return KVCache(k=tuple(ks), v=tuple(vs), length=jnp.zeros((batch,), jnp.int32))
+    n = cfg.n_kv_slots
+    kv = _zeros(tuple((batch, capacity, *shapes[slot]) for slot in range(n)) * 2, jnp.dtype(dtype))
+    return KVCache(k=kv[:n], v=kv[n:], length=jax.device_put(np.zeros((batch,), np.int32)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zeros(shapes: tuple, dtype) -> tuple[jax.Array, ...]:
+    """Zero arrays of these shapes in one compiled call (eager jnp.zeros would be two ops per shape, each a
+    compile, or a compile-cache read, at start-up)."""
+    return tuple(jnp.zeros(s, dtype) for s in shapes)
 
 
 # fitted_capacity's smallest size: one attention chunk (layers.ATTN_CHUNK), so a fitted cache reads its slots in the
@@ -95,5 +101,8 @@ def fitted_capacity(n_positions: int, ctx: int) -> int:
 
 def truncate(cache: KVCache, n) -> KVCache:
     """The cache with its committed length set to n (scalar or [B]); O(1), no K/V data is touched."""
-    n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), cache.length.shape)
+    if isinstance(n, jax.Array):  # a device value or a tracer (inside jit)
+        n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), cache.length.shape)
+    else:  # a host value: placed, not computed (an eager op would compile at start-up)
+        n = jax.device_put(np.broadcast_to(np.asarray(n, np.int32), cache.length.shape).copy())
     return dataclasses.replace(cache, length=n)

@@ -152,7 +152,7 @@ def batched_prefill(model, prompts: Sequence[Sequence[int]], cache: KVCache):
         for b, p in enumerate(prompts):
             toks[b, : n_valid[b]] = p[s : s + n_valid[b]]
         # n_valid 0: the row's prompt ended in an earlier chunk; its rows here are written past its length (stale)
-        logits, cache = engine.prefill_step(model.params, jnp.asarray(toks), jnp.asarray(n_valid), cache,
+        logits, cache = engine.prefill_step(model.params, np.asarray(toks, np.int32), np.asarray(n_valid, np.int32), cache,
                                             model.config)
         ends_here = jnp.asarray((lens > s) & (lens <= s + biggest))[:, None]
         final = logits if final is None else jnp.where(ends_here, logits, final)
@@ -248,7 +248,7 @@ class BatchedSpeculativeDecoder:
 
     def bootstrap(self, logits, stops: Sequence[Iterable[int]]) -> list[tuple[list[int], bool]]:
         """Sample each row's first token from its prefill logits, exactly as the plain loop does."""
-        toks_dev = batched_sample_step(logits, jnp.asarray(self.n, jnp.int32), self.history, self._sparams,
+        toks_dev = batched_sample_step(logits, np.asarray(self.n, np.int32), self.history, self._sparams,
                                        self._cap)
         toks = np.asarray(toks_dev)
         out = []
@@ -262,7 +262,7 @@ class BatchedSpeculativeDecoder:
             self.streams[b, self.n[b]] = t
             self.n[b] += 1
             out.append(([t], False))
-        self.history = _push_each(self.history, toks_dev[:, None], jnp.asarray(n_new))
+        self.history = _push_each(self.history, toks_dev[:, None], np.asarray(n_new, np.int32))
         for b, (committed, _) in enumerate(out):
             if committed and self.sources[b] is not None:
                 self.sources[b].observe(np.asarray(committed, np.int32))
@@ -305,13 +305,13 @@ class BatchedSpeculativeDecoder:
             toks[b, 0] = self.streams[b, self.n[b] - 1]
             toks[b, 1 : 1 + d.size] = d
             dr[b, : d.size] = d
-        start = jnp.asarray(self.n - 1, jnp.int32)
+        start = np.asarray(self.n - 1, np.int32)
         traced = _trace_total()
         t0 = self.clock() if self.clock else 0
         cache, self.cache = self.cache, None  # donated below
         try:
             sampled_dev, topk, self.cache = batched_verify_sample_step(
-                self.model.params, jnp.asarray(toks), jnp.asarray(dr), start, cache, self.history, self._sparams,
+                self.model.params, np.asarray(toks, np.int32), np.asarray(dr, np.int32), start, cache, self.history, self._sparams,
                 # top-K rows only for verifies, as the single decoder (its plain steps feed no observe_topk)
                 self.model.config, self._cap, wants_topk=self.wants_topk and width > 1,
             )
@@ -334,7 +334,7 @@ class BatchedSpeculativeDecoder:
             self.n[b] += len(committed)
             out.append((committed, stopped))
         # sampled[b, :n_new[b]] == row b's committed ids: each history gets exactly its row's committed ids
-        self.history = _push_each(self.history, sampled_dev, jnp.asarray(n_new))
+        self.history = _push_each(self.history, sampled_dev, np.asarray(n_new, np.int32))
         if width == 1:
             if step_ns is not None:
                 gate.note_plain_ns(step_ns)

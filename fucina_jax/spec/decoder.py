@@ -133,7 +133,7 @@ class SpeculativeDecoder:
     # ---- the loop's entry points --------------------------------------------------------------------------
 
     def begin(self, prompt: Sequence[int]):
-        """Prefill the prompt into a fresh cache and show it to the source; returns the logits [V] after it."""
+        """Prefill the prompt into a fresh cache and show it to the source; returns the logits [1, V] after it."""
         prompt = np.asarray(prompt, np.int32).reshape(-1)
         if not 0 < prompt.size < self.ctx:
             raise ContextFullError(
@@ -143,23 +143,24 @@ class SpeculativeDecoder:
         self.n = int(prompt.size)
         self.history = sampling.history_from_tokens(prompt.tolist(), self.sampler.history_capacity(self.ctx))
         self.cache = None
-        logits, self.cache = self.model.prefill(prompt, self.model.new_cache(self.slots))
+        logits, self.cache = self.model.prefill_rows(prompt, self.model.new_cache(self.slots))
         self.slots = min(self.cache.capacity, self.ctx)  # init_cache rounds the capacity up to SLOT_ALIGN
         self._cache_len = self.n  # the prompt's last token is in the cache until the first token is committed
         self.source.observe(prompt)
         return logits
 
     def bootstrap(self, logits, stops: Iterable[int] = ()) -> tuple[list[int], bool]:
-        """Sample the first token from the prefill logits, exactly as the plain loop does."""
+        """Sample the first token from the prefill logits ([1, V], as begin() returns them), exactly as the plain
+        loop does."""
         stops = frozenset(stops)
         n0 = self.n
         committed: list[int] = []
         stopped = False
         try:
             if self.on_verify_row is not None:
-                self.on_verify_row(n0, 0, np.asarray(logits))
+                self.on_verify_row(n0, 0, np.asarray(logits)[0])
             tok = sampling.sample_rows(
-                logits[None], jnp.asarray([n0], jnp.int32), self.history, None, self._sparams, cap=self._cap
+                logits, np.asarray([n0], np.int32), self.history, None, self._sparams, cap=self._cap
             )
             t = int(np.asarray(tok)[0])
             if t in stops:
@@ -224,7 +225,7 @@ class SpeculativeDecoder:
         row); its wall time feeds the gate's live cost model."""
         m = self.model
         n0 = self.n
-        tok_in = jnp.asarray(self.stream[n0 - 1 : n0])
+        tok_in = np.asarray(self.stream[n0 - 1 : n0], np.int32)
         committed: list[int] = []
         stopped = False
         traced = _trace_total()
@@ -241,9 +242,9 @@ class SpeculativeDecoder:
                 self._cache_len = n0
                 self.on_verify_row(n0, 0, np.asarray(logits[0]))
                 tok = sampling.sample_rows(
-                    logits, jnp.asarray([n0], jnp.int32), self.history, None, self._sparams, cap=self._cap
+                    logits, np.asarray([n0], np.int32), self.history, None, self._sparams, cap=self._cap
                 )
-                history = sampling.push_history(self.history, tok, jnp.int32(1))
+                history = sampling.push_history(self.history, tok, np.int32(1))
             t = int(np.asarray(tok)[0])
             if self.clock and _trace_total() == traced:
                 self.gate.note_plain_ns(self.clock() - t0)
@@ -279,7 +280,7 @@ class SpeculativeDecoder:
         cache, self.cache = self.cache, None
         try:
             sampled_dev, logits, topk, self.cache = steps.verify_sample_step(
-                m.params, jnp.asarray(toks), jnp.asarray(drafts), cache, self.history, self._sparams, m.config,
+                m.params, np.asarray(toks, np.int32), np.asarray(drafts, np.int32), cache, self.history, self._sparams, m.config,
                 self._cap, wants_topk=self.wants_topk, with_logits=hook is not None,
             )
         except BaseException:
@@ -317,7 +318,7 @@ class SpeculativeDecoder:
                     break  # the plain loop stops here (max_tokens / context)
             if committed:
                 # sampled[:len(committed)] == committed: the history gets exactly the committed ids
-                self.history = sampling.push_history(self.history, sampled_dev, jnp.int32(len(committed)))
+                self.history = sampling.push_history(self.history, sampled_dev, np.int32(len(committed)))
                 self._append(committed)
             st.verify_steps += 1
             st.drafted += d
@@ -341,7 +342,7 @@ class SpeculativeDecoder:
         self.n += len(ids)
 
     def _commit(self, ids: list[int], dev_ids) -> None:
-        self.history = sampling.push_history(self.history, dev_ids, jnp.int32(len(ids)))
+        self.history = sampling.push_history(self.history, dev_ids, np.int32(len(ids)))
         self._append(ids)
 
     def _settle_cache(self) -> None:
