@@ -3,7 +3,8 @@
 
 Prints, in this order:
   1. cold and warm start to the first generated token (fresh processes: an empty persistent compilation cache,
-     then the cache the first run wrote), with the time split into import / load / first token;
+     then three that use the cache the first run wrote; the median warm run), with the time split into
+     import / load / first token;
   2. load time and peak RSS of fucina_jax alone (before llama.cpp is loaded), against the GGUF file size;
   3. plain greedy decode tok/s of fucina_jax and llama.cpp, runs interleaved (fucina, llama.cpp, ...) so machine
      drift hits both, the ratio of the medians, and whether the greedy streams agree;
@@ -36,7 +37,7 @@ t2 = time.perf_counter()
 gen = m.generate(sys.argv[3], max_tokens=1, temperature=0)
 next(iter(gen))
 t3 = time.perf_counter()
-print(f"FIRST {t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f}", flush=True)
+print(f"FIRST {time.monotonic():.6f} {t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f}", flush=True)
 """
 
 
@@ -44,21 +45,23 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def start_times(path: str, f32: bool, prompt: str) -> list[tuple[float, list[float]]]:
-    """(wall seconds from process launch to the first token, [import, load, first token]) for a cold then a warm
-    start sharing one fresh compilation cache directory."""
+def start_times(path: str, f32: bool, prompt: str, warm_runs: int = 3) -> list[tuple[float, float, list[float]]]:
+    """A cold start, then `warm_runs` warm ones, sharing one fresh compilation cache directory: per run (seconds from
+    process launch to the first generated token, the process's whole wall time (the same plus exiting, which is
+    JAX's interpreter teardown), [import, load, first token])."""
     out = []
     with tempfile.TemporaryDirectory() as cache_dir:
         env = {**os.environ, "FUCINA_JAX_CACHE_DIR": cache_dir}
-        for _ in range(2):
-            t0 = time.perf_counter()
+        for _ in range(1 + warm_runs):
+            t0 = time.monotonic()  # CLOCK_MONOTONIC: one clock for this process and the child
             proc = subprocess.run([sys.executable, "-c", START_CODE, path or "", "1" if f32 else "0", prompt],
                                   env=env, capture_output=True, text=True)
-            wall = time.perf_counter() - t0
+            wall = time.monotonic() - t0
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST")), None)
             if proc.returncode or line is None:
                 raise SystemExit(f"start-time run failed:\n{proc.stderr[-2000:]}")
-            out.append((wall, [float(v) for v in line.split()[1:]]))
+            at, *parts = (float(v) for v in line.split()[1:])
+            out.append((at - t0, wall, parts))
     return out
 
 
@@ -116,10 +119,13 @@ def main() -> int:
         pass
 
     if not args.skip_start:
-        (cold, cparts), (warm, wparts) = start_times(args.model or "", args.f32, args.prompt)
+        (cold, cwall, cparts), *warms = start_times(args.model or "", args.f32, args.prompt)
+        warm, wwall, wparts = sorted(warms)[len(warms) // 2]  # the median warm run
         print(f"start to first token: cold {cold:.2f} s (import {cparts[0]:.2f}, load {cparts[1]:.2f}, "
-              f"compile+prefill+token {cparts[2]:.2f}), warm {warm:.2f} s (import {wparts[0]:.2f}, load "
-              f"{wparts[1]:.2f}, compile cache+prefill+token {wparts[2]:.2f})")
+              f"compile+prefill+token {cparts[2]:.2f}), warm {warm:.2f} s (median of {len(warms)}: "
+              f"{', '.join(f'{w[0]:.2f}' for w in warms)}; import {wparts[0]:.2f}, load {wparts[1]:.2f}, compile "
+              f"cache+prefill+token {wparts[2]:.2f}); the processes exit {cwall - cold:.2f} / {wwall - warm:.2f} s "
+              f"later (JAX's teardown)")
 
     t0 = time.perf_counter()
     model = fucina_jax.load(path, f32=args.f32)
