@@ -219,7 +219,8 @@ def _turn_decoder_class():
 
         def resume(self, keep: int, ids: np.ndarray):
             """Make the stream `ids`, reusing the cache for ids[:keep] (which must equal stream[:keep]); prefill
-            the rest and return the logits [1, V] after the last id. The source is not shown anything (TurnGate.sync)."""
+            the rest and return the logits [1, V] after the last id. The source is not shown anything
+            (TurnGate.sync)."""
             ids = np.asarray(ids, np.int32)
             if not 0 < ids.size < self.ctx:
                 raise ContextFullError(

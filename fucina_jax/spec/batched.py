@@ -152,8 +152,7 @@ def batched_prefill(model, prompts: Sequence[Sequence[int]], cache: KVCache):
         for b, p in enumerate(prompts):
             toks[b, : n_valid[b]] = p[s : s + n_valid[b]]
         # n_valid 0: the row's prompt ended in an earlier chunk; its rows here are written past its length (stale)
-        logits, cache = engine.prefill_step(model.params, np.asarray(toks, np.int32), np.asarray(n_valid, np.int32), cache,
-                                            model.config)
+        logits, cache = engine.prefill_step(model.params, toks, n_valid, cache, model.config)
         ends_here = jnp.asarray((lens > s) & (lens <= s + biggest))[:, None]
         final = logits if final is None else jnp.where(ends_here, logits, final)
     return final, cache
@@ -311,7 +310,7 @@ class BatchedSpeculativeDecoder:
         cache, self.cache = self.cache, None  # donated below
         try:
             sampled_dev, topk, self.cache = batched_verify_sample_step(
-                self.model.params, np.asarray(toks, np.int32), np.asarray(dr, np.int32), start, cache, self.history, self._sparams,
+                self.model.params, toks, dr, start, cache, self.history, self._sparams,
                 # top-K rows only for verifies, as the single decoder (its plain steps feed no observe_topk)
                 self.model.config, self._cap, wants_topk=self.wants_topk and width > 1,
             )

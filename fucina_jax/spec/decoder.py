@@ -225,7 +225,7 @@ class SpeculativeDecoder:
         row); its wall time feeds the gate's live cost model."""
         m = self.model
         n0 = self.n
-        tok_in = np.asarray(self.stream[n0 - 1 : n0], np.int32)
+        tok_in = self.stream[n0 - 1 : n0].copy()  # not a view: a jitted step may read host memory it is given
         committed: list[int] = []
         stopped = False
         traced = _trace_total()
@@ -280,7 +280,7 @@ class SpeculativeDecoder:
         cache, self.cache = self.cache, None
         try:
             sampled_dev, logits, topk, self.cache = steps.verify_sample_step(
-                m.params, np.asarray(toks, np.int32), np.asarray(drafts, np.int32), cache, self.history, self._sparams, m.config,
+                m.params, toks, drafts, cache, self.history, self._sparams, m.config,
                 self._cap, wants_topk=self.wants_topk, with_logits=hook is not None,
             )
         except BaseException:
