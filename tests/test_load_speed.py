@@ -97,6 +97,21 @@ def test_pack_loops_in_c_equal_their_numpy_form(qtype, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_c_codes_equal_the_decoders(qtype):
+    """pack.cc's decode_codes gives each type's byte codes exactly as its NumPy decoder (decode_codes' u)."""
+    from fucina_jax.kernels import _qmatmul
+    from fucina_jax.kernels.pack import _DECODERS
+
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    raw = random_tensor(qtype, 7, 3 * block, seed=3)
+    blocks = raw.reshape(-1, type_size)
+    u = np.empty((blocks.shape[0], block), np.uint8)
+    _qmatmul.decode_codes(int(qtype), blocks, u)
+    assert np.array_equal(u, _DECODERS[qtype][0](blocks)[0])
+
+
+@needs_kernels
 def test_pack_loops_refuse_short_buffers():
     from fucina_jax.kernels import _qmatmul
 
@@ -108,6 +123,12 @@ def test_pack_loops_refuse_short_buffers():
         _qmatmul.narrow_codes(np.zeros(500, np.uint8), np.zeros(320, np.uint8), 5, 112)
     with pytest.raises(ValueError, match="narrowed codes"):
         _qmatmul.narrow_codes(np.zeros(512, np.uint8), np.zeros(319, np.uint8), 5, 112)
+    with pytest.raises(ValueError, match="not one of the decoded types"):
+        _qmatmul.decode_codes(0, np.zeros(64, np.uint8), np.zeros(64, np.uint8))
+    with pytest.raises(ValueError, match="whole 22-byte blocks"):
+        _qmatmul.decode_codes(6, np.zeros(23, np.uint8), np.zeros(64, np.uint8))
+    with pytest.raises(ValueError, match="the codes"):
+        _qmatmul.decode_codes(6, np.zeros(44, np.uint8), np.zeros(63, np.uint8))
 
 
 def test_aligned_empty_and_device_put_adopts_it():

@@ -1,5 +1,6 @@
-// The two hot loops of loading (fucina_jax/kernels/pack.py's pack_tensor), in C with the GIL released:
+// The hot loops of loading (fucina_jax/kernels/pack.py's pack_tensor), in C with the GIL released:
 //   pack_q8_0     Q8_0 rows straight into the packed codes (q + 128) and fp16 scales, no decode copy;
+//   decode_codes  the byte codes of the other types' blocks (pack.py's decoders' u);
 //   narrow_codes  the byte-code layout -> nibbles + bit planes (4-6-bit types).
 // Each writes the bytes pack.py's NumPy statements write (tests/test_load_speed.py holds pack_tensor to pack_codes,
 // and the NumPy fallback to this). Baseline x86-64 only (SSE2): loading runs before any instruction set is picked.
@@ -84,7 +85,133 @@ void narrow_codes(const uint8_t* src, int64_t n_blocks, int bits, uint8_t sub, u
   }
 }
 
+// GGML type ids (ggml.h) of the types decode_codes takes; their block sizes in values and bytes.
+enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+bool block_shape(int type, int* values, int* bytes) {
+  switch (type) {
+    case kQ4_0: *values = 32, *bytes = 18; return true;
+    case kQ4_1: *values = 32, *bytes = 20; return true;
+    case kQ5_0: *values = 32, *bytes = 22; return true;
+    case kQ5_1: *values = 32, *bytes = 24; return true;
+    case kQ8_0: *values = 32, *bytes = 34; return true;
+    case kQ4_K: *values = 256, *bytes = 144; return true;
+    case kQ5_K: *values = 256, *bytes = 176; return true;
+    case kQ6_K: *values = 256, *bytes = 210; return true;
+    default: return false;
+  }
+}
+
+// kBitBytes[x]: 8 bytes, byte k = bit k of x times 16 (a high-bit byte spread over the 8 codes it belongs to).
+constexpr struct BitBytes {
+  uint64_t t[256] = {};
+  constexpr BitBytes() {
+    for (int x = 0; x < 256; ++x)
+      for (int k = 0; k < 8; ++k)
+        if (x >> k & 1) t[x] |= uint64_t{16} << (8 * k);
+  }
+  constexpr uint64_t operator[](int x) const { return t[x]; }
+} kBitBytes;
+
+// n bytes at q in groups of `group`: per group its low nibbles, then its high nibbles.
+inline void nibbles(const uint8_t* __restrict q, int n, int group, uint8_t* __restrict u) {
+  for (int g = 0; g < n; g += group)
+    for (int r = 0; r < group; ++r) {
+      u[2 * g + r] = q[g + r] & 0x0F;
+      u[2 * g + group + r] = q[g + r] >> 4;
+    }
+}
+
+// The byte codes u of one block, as pack.py's decoders give them (the symmetric types with q - zero + 128).
+template <int kType>
+inline void decode_block(const uint8_t* __restrict b, uint8_t* __restrict u) {
+  switch (kType) {
+    case kQ4_0:
+      nibbles(b + 2, 16, 16, u);
+      for (int i = 0; i < 32; ++i) u[i] += 120;
+      return;
+    case kQ4_1:
+      nibbles(b + 4, 16, 16, u);
+      return;
+    case kQ5_0:
+    case kQ5_1: {
+      const int qh = kType == kQ5_0 ? 2 : 4;  // 32 high bits (LE), then the nibbles
+      nibbles(b + qh + 4, 16, 16, u);
+      for (int j = 0; j < 4; ++j) {  // bit k of high byte j is value 8 j + k's fifth bit
+        uint64_t w;
+        std::memcpy(&w, u + 8 * j, 8);
+        w |= kBitBytes[b[qh + j]];
+        std::memcpy(u + 8 * j, &w, 8);
+      }
+      if (kType == kQ5_0)
+        for (int i = 0; i < 32; ++i) u[i] += 112;
+      return;
+    }
+    case kQ8_0:  // int8 q + 128: the byte with its sign bit flipped
+      for (int i = 0; i < 32; ++i) u[i] = b[2 + i] ^ 0x80;
+      return;
+    case kQ4_K:
+      nibbles(b + 16, 128, 32, u);
+      return;
+    case kQ5_K:  // bit p of high byte r is value 32 p + r's fifth bit
+      nibbles(b + 48, 128, 32, u);
+      for (int p = 0; p < 8; ++p)
+        for (int r = 0; r < 32; ++r) u[32 * p + r] |= ((b[16 + r] >> p) & 1) << 4;
+      return;
+    case kQ6_K:  // 2-bit field j of high byte 32 g + r is value 128 g + 32 j + r's bits 4-5
+      nibbles(b, 128, 64, u);
+      for (int g = 0; g < 2; ++g)
+        for (int j = 0; j < 4; ++j)
+          for (int r = 0; r < 32; ++r) {
+            uint8_t& v = u[128 * g + 32 * j + r];
+            v = static_cast<uint8_t>((v | ((b[128 + 32 * g + r] >> (2 * j)) & 3) << 4) + 96);
+          }
+      return;
+  }
+}
+
+template <int kType>
+void decode_all(const uint8_t* b, int64_t n, uint8_t* u) {
+  int values = 0, bytes = 0;
+  block_shape(kType, &values, &bytes);
+  for (int64_t i = 0; i < n; ++i) decode_block<kType>(b + i * bytes, u + i * values);
+}
+
 }  // namespace
+
+// decode_codes(type, blocks, u): the byte codes of whole blocks of a GGML type (pack.py's decoders' u).
+extern "C" PyObject* fucina_py_decode_codes(PyObject*, PyObject* args) {
+  PyObject *src, *dst;
+  int type, values, bytes;
+  if (!PyArg_ParseTuple(args, "iOO", &type, &src, &dst)) return nullptr;
+  if (!block_shape(type, &values, &bytes)) {
+    PyErr_Format(PyExc_ValueError, "decode_codes: GGML type %d is not one of the decoded types", type);
+    return nullptr;
+  }
+  Buffers buf;
+  if (!buf.get(src, false, 0, "the blocks")) return nullptr;
+  if (buf.v[0].len % bytes) {
+    PyErr_Format(PyExc_ValueError, "decode_codes: %zd bytes are not whole %d-byte blocks", buf.v[0].len, bytes);
+    return nullptr;
+  }
+  const int64_t n = buf.v[0].len / bytes;
+  if (!buf.get(dst, true, n * values, "the codes")) return nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  const uint8_t* b = static_cast<const uint8_t*>(buf.v[0].buf);
+  uint8_t* u = static_cast<uint8_t*>(buf.v[1].buf);
+  switch (type) {
+    case kQ4_0: decode_all<kQ4_0>(b, n, u); break;
+    case kQ4_1: decode_all<kQ4_1>(b, n, u); break;
+    case kQ5_0: decode_all<kQ5_0>(b, n, u); break;
+    case kQ5_1: decode_all<kQ5_1>(b, n, u); break;
+    case kQ8_0: decode_all<kQ8_0>(b, n, u); break;
+    case kQ4_K: decode_all<kQ4_K>(b, n, u); break;
+    case kQ5_K: decode_all<kQ5_K>(b, n, u); break;
+    case kQ6_K: decode_all<kQ6_K>(b, n, u); break;
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
 
 // pack_q8_0(src, n, nb, q, a): see pack_q8_0 above; buffers are C-contiguous, sizes checked.
 extern "C" PyObject* fucina_py_pack_q8_0(PyObject*, PyObject* args) {

@@ -725,6 +725,7 @@ extern "C" XLA_FFI_Error* FucinaTopK(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaArgmax(XLA_FFI_CallFrame* call_frame);
 extern "C" PyObject* fucina_py_pack_q8_0(PyObject*, PyObject* args);  // pack.cc
 extern "C" PyObject* fucina_py_narrow_codes(PyObject*, PyObject* args);
+extern "C" PyObject* fucina_py_decode_codes(PyObject*, PyObject* args);
 
 // name -> the XLA FFI handler registered under "fucina_" + name (fucina_jax/kernels/__init__.py)
 static PyObject* py_handlers(PyObject*, PyObject*) {
@@ -783,6 +784,7 @@ static PyMethodDef kMethods[] = {
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this instruction set (avx512, avx2, scalar)."},
     {"pack_q8_0", fucina_py_pack_q8_0, METH_VARARGS, "Q8_0 rows -> packed codes and scales (pack.py)."},
     {"narrow_codes", fucina_py_narrow_codes, METH_VARARGS, "Byte codes -> nibbles + bit planes (pack.py)."},
+    {"decode_codes", fucina_py_decode_codes, METH_VARARGS, "Blocks of a GGML type -> byte codes (pack.py)."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_qmatmul", "Quantized matmul kernels (XLA FFI).", -1, kMethods};
