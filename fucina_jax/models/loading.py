@@ -117,7 +117,8 @@ def load_params(
         return put(fuse(l, lp) if fuse else lp)
 
     # The globals (the embedding: the largest tensor) are read on a second thread while the layers are read here:
-    # NumPy's packing releases the GIL, and the transient host memory stays one tensor more.
+    # the packing loops (kernels/pack.cc, or NumPy where that is not built) release the GIL, and the transient host
+    # memory stays one tensor more.
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:
