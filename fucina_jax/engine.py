@@ -16,11 +16,11 @@ argument is donated: the caller must use the returned cache.
 from __future__ import annotations
 
 import collections
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 
+from fucina_jax import aot
 from fucina_jax.models import forward_hidden, truncate, unembed
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import ModelConfig
@@ -57,7 +57,7 @@ def _positions(cache: KVCache, T: int) -> jax.Array:
     return cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@aot.jit(static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill_step(params, tokens: jax.Array, n_valid: jax.Array, cache: KVCache, cfg: ModelConfig):
     """Prefill one padded chunk; tokens [B, T], n_valid [B] (>= 1). Only the last valid row is unembedded:
     computing [T, V] logits for a whole chunk would cost more than the chunk's transformer layers."""
@@ -69,7 +69,7 @@ def prefill_step(params, tokens: jax.Array, n_valid: jax.Array, cache: KVCache, 
     return unembed(params, last, cfg), truncate(cache, start + n_valid)
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@aot.jit(static_argnames=("cfg",), donate_argnames=("cache",))
 def decode_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     """One token per row; tokens [B]."""
     TRACE_COUNTS["decode", tokens.shape] += 1
@@ -77,7 +77,7 @@ def decode_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     return unembed(params, h[:, 0], cfg), cache
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@aot.jit(static_argnames=("cfg",), donate_argnames=("cache",))
 def verify_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     """Logits of every row of tokens [B, k]; the cache comes back advanced by k (truncate to what you commit:
     rows past the committed length are stale and never visible after truncation)."""
@@ -86,7 +86,7 @@ def verify_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     return unembed(params, h, cfg), cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "cap"), donate_argnames=("cache",))
+@aot.jit(static_argnames=("cfg", "cap"), donate_argnames=("cache",))
 def decode_sample_step(params, tokens: jax.Array, cache: KVCache, history, sparams, cfg: ModelConfig, cap: int):
     """decode_step fused with the sampler: append tokens [1] and pick the next token.
 

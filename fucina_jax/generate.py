@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from fucina_jax import engine, sampling
+from fucina_jax import aot, engine, sampling
 from fucina_jax.errors import ContextFullError
 from fucina_jax.models import fitted_capacity
 from fucina_jax.sampling import SamplerConfig
@@ -63,13 +63,15 @@ class GenerationResult:
 
 
 class Timer:
-    """Wall time per phase, with the calls that compiled something (engine.TRACE_COUNTS moved) counted apart."""
+    """Wall time per phase, with the calls that compiled something (a trace counter moved, or aot loaded a program)
+    counted apart."""
 
     def __init__(self, traces: Callable[[], int] | None = None):
         self.seconds: dict[str, float] = {}
         self.compile: dict[str, float] = {}
         # how many traces happened so far (a change during a call means it compiled something)
-        self.traces = traces or (lambda: sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values()))
+        self.traces = traces or (lambda: sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values())
+                                  + sum(aot.LOADED.values()))
 
     def run(self, phase: str, fn: Callable, *args, **kw):
         """fn(*args, **kw), waited for (JAX dispatches asynchronously: an unblocked phase would bill its compute to

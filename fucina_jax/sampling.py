@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fucina_jax import aot
 from fucina_jax.errors import SamplerConfigError
 
 __all__ = [
@@ -237,7 +238,7 @@ def history_from_tokens(tokens: Sequence[int], capacity: int) -> History:
     return jax.device_put(History(buf, np.asarray(tail.size, np.int32)))
 
 
-@jax.jit
+@aot.jit
 def push_history(history: History, new: jax.Array, n_new: jax.Array) -> History:
     """Append new[:n_new] (int32 [N]) to the window, dropping the oldest tokens past its capacity. Jittable, so the
     decode loop can keep the history on device."""
@@ -480,7 +481,7 @@ def _by_row(fn, logits, history, drafts, params, *extra):
     return jax.lax.map(one, (logits, tokens, mask, *extra))
 
 
-@partial(jax.jit, static_argnames=("cap",))
+@aot.jit(static_argnames=("cap",))
 def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The survivors of penalties -> top-k -> top-p -> min-p for each row of logits [R, V], bool [R, V]."""
     V = logits.shape[-1]
@@ -496,7 +497,7 @@ def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerPara
     return _by_row(row, logits, history, drafts, params)
 
 
-@partial(jax.jit, static_argnames=("cap",))
+@aot.jit(static_argnames=("cap",))
 def sample_rows(
     logits: jax.Array,
     positions: jax.Array,
@@ -562,7 +563,7 @@ def sample_row(logits: jax.Array, position, history: History, params: SamplerPar
     return sample_rows(logits[None, :], pos, history, None, params, cap=cap)[0]
 
 
-@partial(jax.jit, static_argnames=("cap",))
+@aot.jit(static_argnames=("cap",))
 def token_probs(logits, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The distribution each row is sampled from, float32 [R, V] (one-hot on the greedy pick for T <= 0)."""
     V = logits.shape[-1]

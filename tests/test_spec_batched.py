@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from spec_helpers import ScriptedSource, alternating, garbage, perfect
 
+from fucina_jax import aot
 from fucina_jax.errors import DraftSourceError
 from fucina_jax.generate import generate
 from fucina_jax.index import SpeculationIndex
@@ -186,14 +187,14 @@ def test_no_recompile_inside_a_bucket(arch):
     prompts, maxes, samps, stops, sources, _ = arch.case(ROW_SETS[3], "sampled")
     generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops, sources=sources,
                      options=OPTIONS, clock=False)
-    before = dict(sb.TRACE_COUNTS)
+    before = dict(sb.TRACE_COUNTS), dict(aot.LOADED)
     rng = np.random.default_rng(9)
     other = [rng.integers(0, 200, n).tolist() for n in (13, 2, 40)]
     samps = [SamplerConfig(temperature=0.5, top_k=17, seed=s) for s in (1, 2, 3)]
     generate_batched(arch.model, other, max_tokens=[9, 30, 17], sampler=samps, ctx=CTX, stop_ids=[(), (5,), ()],
                      sources=[SpeculationIndex(arch.model.config.n_vocab) for _ in other], options=OPTIONS,
                      clock=False)
-    assert dict(sb.TRACE_COUNTS) == before
+    assert (dict(sb.TRACE_COUNTS), dict(aot.LOADED)) == before
 
 
 def test_disabled_speculation_is_batched_plain_decoding(arch):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from spec_helpers import ScriptedSource, all_sources, alternating, garbage, perfect
 
-from fucina_jax import engine, sampling
+from fucina_jax import aot, engine, sampling
 from fucina_jax.errors import ContextFullError, DraftSourceError, SpecOptionsError
 from fucina_jax.generate import generate
 from fucina_jax.index import SpeculationIndex
@@ -417,11 +417,11 @@ def test_no_recompile_inside_a_bucket(qwen3):
     plain = plain_run(qwen3, prompt)
     truth = prompt + plain.tokens
     spec_run(qwen3, prompt, ScriptedSource(alternating(truth, qwen3.config.n_vocab)))  # warm every width
-    before = dict(steps.TRACE_COUNTS)
+    before = dict(steps.TRACE_COUNTS), dict(aot.LOADED)
     other = ids(qwen3, "text")
     spec_run(qwen3, other, ScriptedSource(alternating(other + plain_run(qwen3, other).tokens,
                                                       qwen3.config.n_vocab)))
-    assert dict(steps.TRACE_COUNTS) == before
+    assert (dict(steps.TRACE_COUNTS), dict(aot.LOADED)) == before
 
 
 def test_reference_documents_are_drafted(qwen3):

@@ -1,4 +1,4 @@
-"""Start-up: on the way to the first token, only the declared jitted steps compile.
+"""Start-up: on the way to the first token, only the declared jitted steps compile, and on a warm start none.
 
 An eager JAX op outside jit (jnp.asarray of a host value, jnp.zeros, x[0] on a device array) is a compile of its own
 when cold and a compile-cache read when warm: 8-60 ms each, measured; ten of them once sat between load() and the
@@ -38,8 +38,9 @@ path, f32, spec = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 m = fucina_jax.load(path, f32=f32)
 traced.append("|loaded")
 gen = m.generate("one two three one two", max_tokens=3, temperature=0, spec=spec)
-next(iter(gen))
+first = next(iter(gen))
 print("TRACED", " ".join(traced))
+print("FIRST", first)
 """
 
 # the jitted functions a generation may compile before its first token
@@ -56,14 +57,24 @@ def q8_fixture(fixture_dir):
 @pytest.mark.parametrize("f32, spec", [(False, False), (False, True), (True, False)],
                          ids=["kernels-plain", "kernels-spec", "f32-plain"])
 def test_first_token_compiles_only_the_declared_steps(q8_fixture, tmp_path, f32, spec):
+    """Cold (an empty cache directory): only the declared steps are traced. Warm (the directory the cold run
+    filled): nothing at all is traced (aot.jit loads each step's program), and the first token is the same."""
     env = {**os.environ, "FUCINA_JAX_CACHE_DIR": str(tmp_path / "xla")}
-    proc = subprocess.run([sys.executable, "-c", CODE, q8_fixture, "1" if f32 else "0", "1" if spec else "0"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("TRACED"))
-    names = line.split()[1:]
-    at = names.index("|loaded")
-    assert names[:at] == []  # loading compiles nothing
-    after = names[at + 1 :]
-    assert "prefill_step" in after  # the log is seen: the check below can fail
-    assert set(after) <= STEPS, f"eager ops or undeclared programs before the first token: {sorted(set(after) - STEPS)}"
+    env.pop("FUCINA_JAX_NO_CACHE", None)
+
+    def start():
+        proc = subprocess.run([sys.executable, "-c", CODE, q8_fixture, "1" if f32 else "0", "1" if spec else "0"],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = {ln.split()[0]: ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith(("TRACED", "FIRST"))}
+        names = out["TRACED"]
+        at = names.index("|loaded")
+        assert names[:at] == []  # loading compiles nothing
+        return names[at + 1 :], out["FIRST"]
+
+    cold, first = start()
+    assert "prefill_step" in cold  # the log is seen: the checks below can fail
+    assert set(cold) <= STEPS, f"eager ops or undeclared programs before the first token: {sorted(set(cold) - STEPS)}"
+    warm, again = start()
+    assert warm == [], f"traced on a warm start: {warm}"
+    assert again == first

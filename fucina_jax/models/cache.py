@@ -18,12 +18,12 @@ before attending and the causal mask hides every slot past the query's own posit
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fucina_jax import aot
 from fucina_jax.models.config import ModelConfig
 
 __all__ = ["KVCache", "fitted_capacity", "init_cache", "truncate"]
@@ -69,7 +69,7 @@ def init_cache(cfg: ModelConfig, capacity: int, batch: int = 1, dtype=None) -> K
     return KVCache(k=kv[:n], v=kv[n:], length=jax.device_put(np.zeros((batch,), np.int32)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@aot.jit(static_argnames=("shapes", "dtype"))
 def _zeros(shapes: tuple, dtype) -> tuple[jax.Array, ...]:
     """Zero arrays of these shapes in one compiled call (eager jnp.zeros would be two ops per shape, each a
     compile, or a compile-cache read, at start-up)."""

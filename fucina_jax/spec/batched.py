@@ -42,13 +42,12 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fucina_jax import engine, sampling
+from fucina_jax import aot, engine, sampling
 from fucina_jax.errors import DraftSourceError
 from fucina_jax.generate import GenerationResult, check_request
 from fucina_jax.index.protocol import DraftSource
@@ -95,7 +94,7 @@ def _sample_each(logits, positions, history, drafts, sparams, cap: int):
     return jax.lax.map(one, (logits, positions, tuple(history), drafts, tuple(sparams)))
 
 
-@partial(jax.jit, static_argnames=("cfg", "cap", "wants_topk"), donate_argnames=("cache",))
+@aot.jit(static_argnames=("cfg", "cap", "wants_topk"), donate_argnames=("cache",))
 def batched_verify_sample_step(
     params,
     tokens: jax.Array,
@@ -126,7 +125,7 @@ def batched_verify_sample_step(
     return sampled, topk, cache
 
 
-@partial(jax.jit, static_argnames=("cap",))
+@aot.jit(static_argnames=("cap",))
 def batched_sample_step(logits: jax.Array, positions: jax.Array, history: sampling.History,
                         sparams: sampling.SamplerParams, cap: int) -> jax.Array:
     """Each conversation's first token from its prefill logits [B, V] at positions [B]; int32 [B]."""
@@ -159,7 +158,8 @@ def batched_prefill(model, prompts: Sequence[Sequence[int]], cache: KVCache):
 
 
 def _trace_total() -> int:
-    return sum(TRACE_COUNTS.values()) + sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values())
+    return (sum(TRACE_COUNTS.values()) + sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values())
+            + sum(aot.LOADED.values()))
 
 
 def _stack(trees):

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from fucina_jax import engine, sampling
+from fucina_jax import aot, engine, sampling
 from fucina_jax.errors import ContextFullError, DraftSourceError
 from fucina_jax.generate import Generation, GenerationResult, Timer, check_request
 from fucina_jax.index.protocol import DraftSource
@@ -54,7 +54,8 @@ VerifyRowHook = Callable[[int, int, np.ndarray], None]
 
 
 def _trace_total() -> int:
-    return sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values()) + sum(steps.TRACE_COUNTS.values())
+    return (sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values()) + sum(steps.TRACE_COUNTS.values())
+            + sum(aot.LOADED.values()))
 
 
 @dataclasses.dataclass

@@ -14,12 +14,11 @@ drawn from a counter-based RNG, so discarding it consumes nothing a plain run wo
 from __future__ import annotations
 
 import collections
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from fucina_jax import sampling
+from fucina_jax import aot, sampling
 from fucina_jax.models import forward_hidden, unembed
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import ModelConfig
@@ -33,8 +32,8 @@ TOPK_FEEDBACK = 8
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
 
-@partial(
-    jax.jit, static_argnames=("cfg", "cap", "wants_topk", "with_logits"), donate_argnames=("cache",)
+@aot.jit(
+    static_argnames=("cfg", "cap", "wants_topk", "with_logits"), donate_argnames=("cache",)
 )
 def verify_sample_step(
     params,

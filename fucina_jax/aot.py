@@ -1,0 +1,408 @@
+"""`aot.jit`: jax.jit whose compiled programs outlive the process.
+
+JAX's persistent compilation cache skips XLA's compile on a warm start, but each process still traces and lowers
+every step it calls and hashes the lowered module to find the entry (Gemma 3 270M's prefill: 0.10 s tracing,
+0.06 s lowering, then the cache read). `aot.jit` keeps the serialized executable itself (JAX's
+`jax.experimental.serialize_executable`) in a store of two levels:
+
+- a key file per call signature, `<function>-<environment>-<key>.key`, keyed on everything that decides the
+  lowered program: the function (module and name), its static arguments, the pytree structure and the shape, dtype
+  and weak type of every array argument, fucina_jax's own files (any change to them is a new environment), and
+  JAX's options. It names
+- the program, `<function>-<fingerprint>.bin`: the executable, keyed on the lowered module's text (no source
+  locations) plus JAX's and jaxlib's versions, XLA_FLAGS, the platform and the CPU's model and flags.
+
+A warm start reads the key, loads the program and runs it: nothing is traced or lowered. After an edit to
+fucina_jax (a new environment) the first call traces and lowers again, and finds the program of an unchanged
+module without compiling. The programs are compiled with JAX's persistent cache bypassed: an executable that cache
+hands back serializes without its compiled kernels (a reloaded copy fails to run), so only real compiles are kept.
+
+The store is `fucina_jax_steps/` inside JAX's compilation cache directory (fucina_jax.load() turns that on:
+~/.cache/fucina_jax/xla, or $FUCINA_JAX_CACHE_DIR), and is used only while that cache is on. It keeps the
+KEEP_ENVIRONMENTS environments used last. Everything else goes to the plain jax.jit function: a call with tracers
+(a step inside the user's own jit or grad), with Python scalars or other non-array leaves, with more than one
+device, or with jax_disable_jit; and functions outside fucina_jax keep their programs in their process only (the
+key does not cover their source). Attributes other than calling (`lower`, `trace`, `eval_shape`, ...) are the
+jax.jit function's.
+
+The files are trusted like JAX's own cache entries: loading one runs code from the user's cache directory. A file
+that fails to load (truncated, from another jaxlib) is compiled again and overwritten.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import hashlib
+import inspect
+import logging
+import os
+import pickle
+import platform
+import sys
+import tempfile
+import threading
+import time
+
+import jax
+import numpy as np
+
+__all__ = ["COMPILED", "LOADED", "jit"]
+
+log = logging.getLogger(__name__)
+
+# Programs loaded from disk, per function name (TRACE_COUNTS-style: a load is a program brought in without a trace).
+LOADED: collections.Counter = collections.Counter()
+# Real XLA compiles of programs the store keeps, per function name (a program found by its lowered module is not one).
+COMPILED: collections.Counter = collections.Counter()
+
+SUBDIR = "fucina_jax_steps"
+# Environments whose programs a store keeps (see _pruned).
+KEEP_ENVIRONMENTS = 3
+_bypass_lock = threading.Lock()
+# JAX options that change no program: logging, and where and when the compilation cache stores entries.
+_NEUTRAL_OPTIONS = ("log", "cache", "explain", "persistent")
+
+
+def jit(fun=None, *, static_argnames=(), donate_argnames=()):
+    """Decorator: `@aot.jit(static_argnames=..., donate_argnames=...)`, the jax.jit arguments it takes."""
+    if fun is None:
+        return functools.partial(jit, static_argnames=static_argnames, donate_argnames=donate_argnames)
+    return Step(fun, tuple(static_argnames), tuple(donate_argnames))
+
+
+class Step:
+    """One jitted function; its compiled programs per (static arguments, argument structure and shapes)."""
+
+    def __init__(self, fun, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...]):
+        self.jitted = jax.jit(fun, static_argnames=static_argnames, donate_argnames=donate_argnames)
+        functools.update_wrapper(self, fun)
+        self.name = f"{fun.__module__}.{fun.__qualname__}"
+        self._params = list(inspect.signature(fun).parameters.values())
+        self._static = frozenset(static_argnames)
+        for p in self._params:
+            if p.name not in self._static and p.kind is not p.POSITIONAL_OR_KEYWORD:
+                raise TypeError(f"aot.jit: {self.name}'s array argument {p.name!r} must be positional-or-keyword")
+        self._names = frozenset(p.name for p in self._params)
+        # the key covers fucina_jax's files only: another module's function keeps its programs in this process
+        self._persist = fun.__module__.split(".")[0] == "fucina_jax"
+        self._programs: dict = {}  # (static, treedef, leaf signature) -> Compiled
+        self._recent: dict = {}  # _fast_key -> (static arguments, Compiled)
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+    def _cache_size(self) -> int:
+        """Programs held, here and in the jax.jit function (jax.jit's own `_cache_size`, counting both paths)."""
+        return len(self._programs) + self.jitted._cache_size()
+
+    def __call__(self, *args, **kwargs):
+        if _store() is None or jax.config.jax_disable_jit:
+            return self.jitted(*args, **kwargs)
+        split = self._split(args, kwargs)
+        fast = None if split is None else _fast_key(*split)
+        if fast is None:
+            return self.jitted(*args, **kwargs)
+        dyn, static = split
+        hit = self._recent.get(fast)
+        if hit is not None and all(a is b for (_, a), (_, b) in zip(hit[0], static)):
+            try:
+                return hit[1](*dyn)
+            except TypeError:
+                # arguments the fast key does not tell apart (other dtypes; a dict changed in place, or a freed
+                # one's id reused): the program's argument check raises before anything runs or is donated, and
+                # the full key below decides (the same program again re-raises its own error)
+                pass
+        try:
+            hash(static)
+        except TypeError:  # an unhashable static value: jax.jit reports it
+            return self.jitted(*args, **kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(dyn)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):  # a tracer inside a dict: the caller's transformation
+            return self.jitted(*args, **kwargs)
+        exe = self._program(static, tree, leaves)
+        if len(self._recent) > 64:
+            self._recent.clear()
+        self._recent[fast] = (static, exe)  # holds the static values: their ids stay theirs while the entry lives
+        return exe(*dyn)
+
+    def _split(self, args, kwargs):
+        """(array arguments in signature order, ((name, value) of the static ones)), or None to leave the call to
+        jax.jit (which also reports a bad call)."""
+        if len(args) > len(self._params) or not self._names.issuperset(kwargs):
+            return None
+        dyn, static = [], []
+        for i, p in enumerate(self._params):
+            if i < len(args):
+                v = args[i]
+            elif p.name in kwargs:
+                v = kwargs[p.name]
+            elif p.default is not p.empty:
+                v = p.default
+            else:
+                return None
+            if p.name in self._static:
+                static.append((p.name, v))
+            else:
+                dyn.append(v)
+        return tuple(dyn), tuple(static)
+
+    def _program(self, static: tuple, tree, leaves: list):
+        key = (static, tree, tuple(_leaf_signature(x) for x in leaves))
+        exe = self._programs.get(key)
+        if exe is None:
+            exe = self._programs[key] = self._bring_in(static, tree, leaves, key)
+        return exe
+
+    def _bring_in(self, static: tuple, tree, leaves: list, key):
+        """The program for a key new to this process: the store's (no trace), else traced and lowered, then the
+        store's program of that lowered module (no compile), else compiled and kept."""
+        key_path = _key_path(self.name, key) if self._persist else None
+        if key_path:
+            exe = _read_program(_read_key(key_path))
+            if exe is not None:
+                LOADED[self.name] += 1
+                return exe
+        lowered = self.jitted.trace(*tree.unflatten(leaves), **dict(static)).lower()
+        if not key_path:
+            return lowered.compile()
+        program_path = _program_path(self.name, lowered)
+        exe = _read_program(program_path)
+        if exe is None:
+            with _xla_cache_bypassed() as bypassed:
+                exe = lowered.compile()
+            COMPILED[self.name] += 1
+            if not bypassed or not _write_program(program_path, exe):
+                return exe
+        _atomic_write(key_path, os.path.basename(program_path).encode())
+        return exe
+
+
+@contextlib.contextmanager
+def _xla_cache_bypassed():
+    """Compile without JAX's persistent cache: an executable that cache hands back serializes without its compiled
+    kernels (running it after a reload fails: "Function ... not found"), so only a real compile is kept. Yields
+    whether the bypass took (it needs the cache module's two private flags; without them nothing is kept)."""
+    try:
+        from jax._src import compilation_cache as cc
+
+        saved = cc._cache_checked, cc._cache_used
+    except (ImportError, AttributeError):
+        yield False
+        return
+    with _bypass_lock:
+        cc._cache_checked, cc._cache_used = True, False
+        try:
+            yield True
+        finally:
+            cc._cache_checked, cc._cache_used = saved
+
+
+def _leaf_signature(x):
+    return x.shape, x.dtype, getattr(x, "weak_type", False)
+
+
+def _fast_key(dyn: tuple, static: tuple):
+    """The per-call key, cheaper than the full one (~20 us for a decode step's arguments, not ~0.4 ms): the static
+    values by identity (the entry holds them; a new but equal value takes the slow path once), then per array
+    argument its structure and leaf shapes, except that a dict argument (a params pytree: hundreds of leaves)
+    stands for itself by id. What it leaves out (dtypes, a dict's contents) the program's own argument check
+    catches (see __call__). None when some leaf is not an array, or is a tracer."""
+    parts = [tuple(id(v) for _, v in static)]
+    for v in dyn:
+        if type(v) is dict:
+            parts.append(id(v))
+            continue
+        leaves, tree = jax.tree_util.tree_flatten(v)
+        for x in leaves:
+            if type(x) not in _array_types() and not _is_array(x):
+                return None
+        parts.append((tree, tuple([x.shape for x in leaves])))
+    return tuple(parts)
+
+
+@functools.cache
+def _array_types() -> frozenset:
+    return frozenset({np.ndarray, type(jax.device_put(np.int32(0)))})
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and not isinstance(x, jax.core.Tracer)
+
+
+def _store() -> str | None:
+    """The directory the programs are kept in, or None while JAX's compilation cache is off (or on more than one
+    device: sharded programs are left to jax.jit)."""
+    if os.environ.get("FUCINA_JAX_NO_CACHE") or not jax.config.jax_enable_compilation_cache:
+        return None
+    base = jax.config.jax_compilation_cache_dir
+    if not base or _n_devices() != 1:
+        return None
+    return os.path.join(os.fspath(base), SUBDIR)
+
+
+@functools.cache
+def _n_devices() -> int:
+    return jax.device_count()
+
+
+@functools.cache
+def _platform() -> bytes:
+    """What decides the executable XLA makes of a lowered module, beyond the module: JAX, XLA's flags, the CPU."""
+    import jaxlib
+
+    device = jax.devices()[0]
+    return repr((jax.__version__, jaxlib.__version__, sys.version, platform.machine(), os.environ.get("XLA_FLAGS", ""),
+                 device.platform, device.device_kind, device.client.platform_version, _cpu())).encode()
+
+
+@functools.cache
+def _environment() -> bytes:
+    """What, beyond a call's own arguments, decides the lowered module: fucina_jax's files and JAX's options (and,
+    through _platform, the rest)."""
+    h = hashlib.sha256(_platform())
+    root = os.path.dirname(os.path.abspath(__file__))
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith((".py", ".so", ".c", ".cc", ".h", ".json")):
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read())
+    options = sorted((k, repr(v)) for k, v in jax.config.values.items() if not any(w in k for w in _NEUTRAL_OPTIONS))
+    h.update(repr(options).encode())
+    return h.digest()
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))]
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted(set(lines)))
+
+
+def _env_tag() -> str:
+    return _environment().hex()[:12]
+
+
+def _key_path(name: str, key) -> str | None:
+    """`<function>-<environment>-<key>.key`: the name of the program this call's key lowers to."""
+    static, tree, leaves = key
+    text = repr((name, static, str(tree), leaves))
+    if " at 0x" in text:  # a static value without a stable repr: keep its program in this process only
+        return None
+    digest = hashlib.sha256(_environment() + text.encode()).hexdigest()[:32]
+    return os.path.join(_store(), f"{_short(name)}-{_env_tag()}-{digest}.key")
+
+
+def _program_path(name: str, lowered) -> str:
+    """`<function>-<fingerprint>.bin`: the executable of this lowered module (its text carries no source
+    locations, so an edit that leaves the module alone finds its program)."""
+    digest = hashlib.sha256(_platform() + lowered.as_text().encode()).hexdigest()[:32]
+    return os.path.join(_store(), f"{_short(name)}-{digest}.bin")
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def _read_key(path: str, touch: bool = True) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            name = f.read(200).decode("ascii", "replace")
+        if touch:
+            os.utime(path)  # in use: kept by _pruned
+    except OSError:
+        return None
+    return os.path.join(os.path.dirname(path), name) if name.endswith(".bin") and os.sep not in name else None
+
+
+def _read_program(path: str | None):
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError:
+        return None
+    try:
+        from jax.experimental import serialize_executable
+
+        from fucina_jax import kernels
+
+        if kernels.available():  # the programs call the kernels' FFI targets: they must be registered first
+            kernels._register()
+        serialized, in_tree, out_tree = pickle.loads(blob)
+        return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+    except Exception as e:  # noqa: BLE001 - any unreadable entry is compiled again and overwritten
+        log.warning("fucina_jax: ignoring the unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
+        return None
+
+
+def _write_program(path: str, exe) -> bool:
+    try:
+        from jax.experimental import serialize_executable
+
+        blob = pickle.dumps(serialize_executable.serialize(exe), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - an unserializable program only costs the next start
+        log.debug("fucina_jax: not keeping the compiled step %s (%s: %s)", path, type(e).__name__, e)
+        return False
+    return _atomic_write(path, blob)
+
+
+def _atomic_write(path: str, data: bytes) -> bool:
+    """Best effort (an unwritable store only costs the next start); atomic: a concurrent reader sees all or none."""
+    store = os.path.dirname(path)
+    try:
+        os.makedirs(store, exist_ok=True)
+        _pruned(store)
+        fd, tmp = tempfile.mkstemp(dir=store, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        log.debug("fucina_jax: not keeping %s (%s)", path, e)
+        return False
+    return True
+
+
+@functools.cache
+def _pruned(store: str) -> None:
+    """Once per process and store, before its first write: delete the keys of all but the KEEP_ENVIRONMENTS
+    environments used most recently (every change to fucina_jax's files is a new environment; a load touches its
+    key, so an install in use stays), then the programs no key names, if older than an hour (a program is written
+    before its key)."""
+    try:
+        entries = [(e.path, e.name, e.stat().st_mtime) for e in os.scandir(store) if e.name.endswith((".key", ".bin"))]
+    except OSError:
+        return
+    keys = [(path, name.split("-")[1], mtime) for path, name, mtime in entries
+            if name.endswith(".key") and name.count("-") == 2]
+    latest: dict[str, float] = {_env_tag(): float("inf")}
+    for _, tag, mtime in keys:
+        latest[tag] = max(latest.get(tag, 0.0), mtime)
+    kept = set(sorted(latest, key=latest.__getitem__, reverse=True)[:KEEP_ENVIRONMENTS])
+    named = set()
+    for path, tag, _ in keys:
+        if tag not in kept:
+            _unlink(path)
+            continue
+        program = _read_key(path, touch=False)
+        if program:
+            named.add(os.path.basename(program))
+    for path, name, mtime in entries:
+        if name.endswith(".bin") and name not in named and mtime < time.time() - 3600:
+            _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
