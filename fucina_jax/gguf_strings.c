@@ -5,7 +5,8 @@
  * bytes. strings(buf, pos, n) walks them and returns (list of str, end position) in ~20 ms where the Python loop
  * takes ~170 ms, or None if anything is odd (a length past the end, invalid UTF-8): the caller then reruns the
  * array through its per-item parser, which raises the precise error. gguf_io.py's _Header.strings is the Python
- * form of the same walk; the tests hold the two to the same answers.
+ * form of the same walk; the tests hold the two to the same answers. index(list) builds the tokenizer's
+ * text -> id table from such a list.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -50,9 +51,39 @@ fail:
     return NULL;
 }
 
+/* index(list) -> {text: position}, or None if any item is not a non-empty str or a text repeats: the tokenizer's
+ * text -> id table in one pass over a presized dict (dict(zip(texts, range(n))) grows the table ~18 times and walks
+ * the 262k cold strings once more to check them; ~2x slower). On None the caller takes its checking Python path,
+ * which reports what is wrong. */
+static PyObject *index_(PyObject *self, PyObject *list) {
+    if (!PyList_CheckExact(list)) Py_RETURN_NONE;
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject *out = _PyDict_NewPresized(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject *s = PyList_GET_ITEM(list, i);
+        if (!PyUnicode_CheckExact(s) || PyUnicode_GET_LENGTH(s) == 0) goto odd;
+        PyObject *id = PyLong_FromSsize_t(i);
+        if (!id) goto fail;
+        const int added = PyDict_SetDefault(out, s, id) == id;
+        Py_DECREF(id);
+        if (PyErr_Occurred()) goto fail;
+        if (!added) goto odd;  /* a repeated text */
+    }
+    return out;
+odd:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"strings", strings, METH_VARARGS,
      "strings(buf, pos, n) -> (list of n str, end position), or None if the array is malformed."},
+    {"index", index_, METH_O,
+     "index(list) -> {text: position}, or None unless the items are distinct non-empty str."},
     {NULL, NULL, 0, NULL},
 };
 

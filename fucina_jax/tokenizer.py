@@ -39,6 +39,7 @@ as a space from SentencePiece-style vocabularies, and a byte-level vocabulary dr
 
 from __future__ import annotations
 
+import array
 import base64
 import codecs
 import heapq
@@ -605,6 +606,15 @@ def _get(md: Mapping[str, Any], key: str, kind: type | tuple, default=None):
     return v
 
 
+def _index_texts(tokens) -> dict[str, int] | None:
+    """{text: id} when tokens is a list of distinct non-empty str (in C: gguf_strings.c's index), else None."""
+    try:
+        from fucina_jax._gguf_strings import index
+    except ImportError:  # a source tree without the extension built: the Python path
+        return None
+    return index(tokens)
+
+
 class Tokenizer:
     """A GGUF vocabulary with llama.cpp's encode/decode semantics. Build with `from_gguf(path)` (reads only the
     metadata) or `from_metadata(md)`."""
@@ -623,7 +633,8 @@ class Tokenizer:
                 f"unsupported tokenizer model {model!r}; supported: {', '.join(SUPPORTED_MODELS)} "
                 "(gpt2 = byte-level BPE, llama = SentencePiece, gemma4 = Gemma 4 BPE)"
             )
-        if not isinstance(tokens, list) or not tokens or set(map(type, tokens)) != {str}:
+        index = _index_texts(tokens)  # distinct non-empty strings (every real vocabulary): the table in one C pass
+        if not tokens or (index is None and (not isinstance(tokens, list) or set(map(type, tokens)) != {str})):
             raise TokenizerError("tokenizer.ggml.tokens must be a non-empty list of strings; the GGUF is malformed")
         self.model = model
         n = len(tokens)
@@ -669,10 +680,16 @@ class Tokenizer:
         if types is not None and (not isinstance(types, list) or len(types) < n):
             raise TokenizerError(
                 f"tokenizer.ggml.token_type has fewer entries than the {n} tokens; the GGUF is malformed")
-        texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        if index is not None:
+            texts, token_to_id = list(tokens), index
+        else:
+            texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+            token_to_id = dict(zip(texts, range(n)))
         self._texts = texts
-        self._scores = np.asarray(scores[:n], np.float64).tolist() if scores is not None else [0.0] * n
-        token_to_id: dict[str, int] = dict(zip(texts, range(n)))
+        try:
+            self._scores = array.array("d", scores[:n] if scores is not None else bytes(8 * n))
+        except TypeError:
+            raise TokenizerError("tokenizer.ggml.scores must be numbers; the GGUF is malformed") from None
         if len(token_to_id) != n:
             seen: dict[str, int] = {}
             for i, t in enumerate(texts):

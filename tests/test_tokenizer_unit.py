@@ -295,3 +295,33 @@ def test_tokenize_to_lines_errors(tmp_path, g4, monkeypatch, capsys):
     out = io.StringIO()
     assert tokenize_to_lines(g4, "-", out=out) == 1  # just BOS
     assert "<stdin> is empty" in capsys.readouterr().err
+
+
+def test_c_text_index_equals_the_python_table(gemma3_path, monkeypatch):
+    """The text -> id table built in one C pass (gguf_strings.c's index) is the one dict(zip(...)) builds, on the
+    real 262k-token vocabulary, and the tokenizers built either way encode alike; anything odd is left to Python."""
+    from fucina_jax import _gguf_strings
+    from fucina_jax.gguf_io import read_metadata
+
+    md = read_metadata(gemma3_path)
+    tokens = md["tokenizer.ggml.tokens"]
+    assert _gguf_strings.index(tokens) == dict(zip(tokens, range(len(tokens))))
+    for odd in (["a", "b", "a"], ["a", ""], ["a", 1], ("a", "b")):
+        assert _gguf_strings.index(odd) is None
+    assert _gguf_strings.index([]) == {}
+    fast = Tokenizer.from_metadata(md)
+    monkeypatch.setitem(sys.modules, "fucina_jax._gguf_strings", None)  # import fails: the Python path
+    slow = Tokenizer.from_metadata(md)
+    assert fast._token_to_id == slow._token_to_id and list(fast._scores) == list(slow._scores)
+    text = "Speculative decoding, 投機的デコード, <start_of_turn>user\nHi!<end_of_turn>"
+    assert fast.encode(text, add_special=True, parse_special=True) == slow.encode(text, add_special=True,
+                                                                                  parse_special=True)
+
+
+def test_empty_token_texts_and_bad_scores(g4_md):
+    tokens = list(g4_md["tokenizer.ggml.tokens"])
+    tokens[7] = ""
+    tok = Tokenizer.from_metadata({**g4_md, "tokenizer.ggml.tokens": tokens})
+    assert tok.token_text(7) == "[EMPTY_7]" and tok.token_text(8) == tokens[8]
+    with pytest.raises(TokenizerError, match="scores must be numbers"):
+        Tokenizer.from_metadata({**g4_md, "tokenizer.ggml.scores": ["x"] * len(tokens)})
