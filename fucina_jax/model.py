@@ -42,7 +42,8 @@ def _cache_base() -> str:
 def enable_compilation_cache() -> None:
     """Turn on JAX's persistent compilation cache in the user's cache directory (~/.cache/fucina_jax/xla, or
     $FUCINA_JAX_CACHE_DIR), unless the user configured one or set FUCINA_JAX_NO_CACHE=1: a warm start then skips
-    the XLA compiles (seconds each)."""
+    the XLA compiles (seconds each). fucina_jax's own steps keep their programs in its `fucina_jax_steps/`
+    (fucina_jax.aot), which also skips their tracing and lowering; the cache serves the rest."""
     if os.environ.get("FUCINA_JAX_NO_CACHE") or jax.config.jax_compilation_cache_dir:
         return
     where = os.environ.get("FUCINA_JAX_CACHE_DIR") or os.path.join(_cache_base(), "xla")
