@@ -119,8 +119,8 @@ class Step:
         except TypeError:  # an unhashable static value: jax.jit reports it
             return self.jitted(*args, **kwargs)
         leaves, tree = jax.tree_util.tree_flatten(dyn)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):  # a tracer inside a dict: the caller's transformation
-            return self.jitted(*args, **kwargs)
+        if not all(type(x) in _array_types() or _is_array(x) for x in leaves):
+            return self.jitted(*args, **kwargs)  # inside a dict: a tracer (the caller's transformation) or a scalar
         exe = self._program(static, tree, leaves)
         if len(self._recent) > 64:
             self._recent.clear()

@@ -167,6 +167,8 @@ def test_tracers_go_to_jit(store_on):
     p = {"w": jnp.ones(3), "b": jnp.zeros(1)}
     g = jax.grad(lambda w: _scaled({"w": w, "b": p["b"]}, jnp.zeros(3), 2.0).sum())(p["w"])
     np.testing.assert_array_equal(g, np.full(3, 2.0, np.float32))
+    # a Python scalar inside a dict argument goes to jax.jit as well (it has no array signature)
+    np.testing.assert_array_equal(_scaled({"w": np.ones(3, np.float32), "b": 2.0}, jnp.zeros(3), 1.0), np.full(3, 3.0))
 
 
 def test_the_store_keeps_only_the_latest_environments(tmp_path):
