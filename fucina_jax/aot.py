@@ -266,8 +266,12 @@ def _environment() -> bytes:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(filenames):
-            if name.endswith((".py", ".so", ".c", ".cc", ".h", ".json")):
-                with open(os.path.join(dirpath, name), "rb") as f:
+            path = os.path.join(dirpath, name)
+            if name.endswith(".so"):  # a built extension (6 MB): its size and time stand for it
+                st = os.stat(path)
+                h.update(f"{name}\0{st.st_size}:{st.st_mtime_ns}".encode())
+            elif name.endswith((".py", ".c", ".cc", ".h", ".json")):
+                with open(path, "rb") as f:
                     h.update(name.encode() + b"\0" + f.read())
     options = sorted((k, repr(v)) for k, v in jax.config.values.items() if not any(w in k for w in _NEUTRAL_OPTIONS))
     h.update(repr(options).encode())
