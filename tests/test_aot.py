@@ -180,7 +180,7 @@ def test_the_store_keeps_only_the_latest_environments(tmp_path):
     others = ["a" * 12, "b" * 12, "c" * 12, "d" * 12]  # most recent first
     for age, tag in enumerate([current] + others):
         for k in "01":
-            program = f"prefill_step-{tag[0] * 16}{k * 16}.bin"
+            program = f"prefill_step-{age:016d}{k * 16}.bin"
             (tmp_path / program).write_bytes(b"x")
             key = tmp_path / f"prefill_step-{tag}-{k * 32}.key"
             key.write_text(program)
@@ -194,5 +194,5 @@ def test_the_store_keeps_only_the_latest_environments(tmp_path):
     kept = [current] + others[: aot.KEEP_ENVIRONMENTS - 1]
     assert sorted({p.name.split("-")[1] for p in tmp_path.glob("*.key")}) == sorted(kept)
     assert sorted(p.name for p in tmp_path.glob("prefill_step-*.bin")) == sorted(
-        f"prefill_step-{t[0] * 16}{k * 16}.bin" for t in kept for k in "01")
+        f"prefill_step-{age:016d}{k * 16}.bin" for age in range(aot.KEEP_ENVIRONMENTS) for k in "01")
     assert (tmp_path / "young.bin").exists() and (tmp_path / "notes.txt").read_text() == "kept"
