@@ -1,6 +1,7 @@
 """The jit boundary: the few compiled step functions every loop in fucina_jax calls.
 
-Where does compilation happen? Here, and only here: one compiled program per (step, bucket shape, config).
+Where does compilation happen? Here, and only here: one compiled program per (step, bucket shape, config), kept
+across processes by `aot.jit` (a warm start loads it: no trace, no compile).
 Every traced shape comes from the declared buckets below; per-call values (cache length, number of valid rows) are
 arrays, never static arguments, so a new prompt length or a longer history never recompiles.
 
