@@ -187,11 +187,12 @@ def _xla_cache_bypassed():
     try:
         from jax._src import compilation_cache as cc
 
-        saved = cc._cache_checked, cc._cache_used
+        cc._cache_checked, cc._cache_used  # noqa: B018 - both flags must exist
     except (ImportError, AttributeError):
         yield False
         return
-    with _bypass_lock:
+    with _bypass_lock:  # read and restored under the lock: another thread's bypass is never what is restored
+        saved = cc._cache_checked, cc._cache_used
         cc._cache_checked, cc._cache_used = True, False
         try:
             yield True

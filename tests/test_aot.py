@@ -44,15 +44,18 @@ log.propagate = False
 enable_compilation_cache()
 step = sampling.push_history.jitted if sys.argv[1] == "jit" else sampling.push_history
 out = step(sampling.history_from_tokens([3, 1, 4, 1, 5], 8), np.asarray([9, 2, 6], np.int32), np.int32(2))
+if len(sys.argv) > 2:  # then a plain jax.jit compile: JAX's own cache must still be on after the bypass
+    sampling.push_history.jitted(sampling.history_from_tokens([1], 16), np.asarray([7], np.int32), np.int32(1))
 print("RESULT", json.dumps({"out": [np.asarray(x).tolist() for x in out], "traced": traced,
                             "loaded": sum(aot.LOADED.values()), "compiled": sum(aot.COMPILED.values())}))
 """
 
 
-def run(cache_dir, how: str, **env_extra):
+def run(cache_dir, how: str, *extra: str, **env_extra):
     env = {k: v for k, v in os.environ.items() if k != "FUCINA_JAX_NO_CACHE"}
     env.update(FUCINA_JAX_CACHE_DIR=str(cache_dir), **env_extra)
-    proc = subprocess.run([sys.executable, "-c", CODE, how], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", CODE, how, *extra], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     return json.loads(line.split(" ", 1)[1]), proc.stderr
@@ -102,6 +105,13 @@ def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path):
     assert named["traced"] == ["push_history"] and named["compiled"] == 0 and named["out"] == good["out"]
     last, _ = run(tmp_path, "aot")
     assert last["loaded"] == 1 and last["traced"] == [] and last["out"] == good["out"]
+
+
+def test_the_bypass_leaves_jax_cache_on_for_everything_else(tmp_path):
+    run(tmp_path, "aot", "then-jit")
+    assert len(entries(tmp_path, ".bin")) == 1
+    assert [p.name for p in tmp_path.glob("jit_push_history-*") if not p.name.endswith("-atime")], \
+        "the plain jax.jit compile after the aot one wrote no entry to JAX's cache"
 
 
 def test_without_the_cache_it_is_plain_jit(tmp_path):
