@@ -185,7 +185,7 @@ def _row_scales(w: QWeight, g: jax.Array, lane: jax.Array):
         return (jax.lax.bitcast_convert_type(v, jnp.int8) if signed else v).astype(jnp.float32)
 
     lead = g.shape
-    if w.a.dtype == jnp.int8:  # Q6_K
+    if w.a.dtype == jnp.int8:  # Q6_K, Q3_K
         return (halves(0) * small(32, 16, signed=True)).reshape(*lead, -1), None
     a = halves(0) * small(64, 8)
     c = -(halves(32) * small(192, 8))

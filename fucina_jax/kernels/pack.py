@@ -8,6 +8,7 @@ values and, for types with a per-block minimum, one offset `c`:
   Q4_0   32  symmetric  q - 8 + 128  d              -
   Q5_0   32  symmetric  q - 16 + 128 d              -
   Q6_K   16  symmetric  q - 32 + 128 d * scale      -
+  Q3_K   16  symmetric  q + 128      d * scale      -            (q in -4..3: 4-bit codes q + 8, zero 8)
   Q4_1   32  affine     q            d              m            a * u + c
   Q5_1   32  affine     q            d              m
   Q4_K   32  affine     q            d * sc         -(dmin * m)
@@ -18,8 +19,9 @@ stores no more than the file: codes in as many bits as the type has (CODE_BITS; 
 64 * bits bytes); scales the file keeps in fp16 (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1) as those fp16 numbers; K-quant scales
 in the file's two levels (KSCALE_TYPES), multiplied out by the kernel. Bytes per weight (codes + scales): Q8_0 1.0625,
 Q4_0 0.5625, Q5_0 0.6875, Q4_1 0.625, Q5_1 0.75, Q6_K 0.820 (each exactly the file's), Q4_K 0.578 and Q5_K 0.703
-(the file's 0.5625 and 0.6875: 6-bit sub-scales held in bytes); see docs/performance.md. Other types (Q2_K, Q3_K,
-i-quants, floats) stay on the f32 path.
+(the file's 0.5625 and 0.6875: 6-bit sub-scales held in bytes), Q3_K 0.570 (the file's 0.430: its 3-bit codes held
+in 4, its 6-bit scales in bytes, so it runs on the 4-bit kernels instead of f32's 4 bytes); see
+docs/performance.md. Other types (Q2_K, i-quants, floats) stay on the f32 path.
 
 Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
   q uint8 [G, nb * 64 * bits]  per group and block, 8 chunks x 16 columns x 4 consecutive K values = 512 codes:
@@ -38,7 +40,7 @@ import math
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes
+from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes, q3_k_parts
 
 __all__ = ["CODE_BITS", "F16_SCALE_TYPES", "KSCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty",
            "decode_codes", "pack_codes", "pack_tensor", "scale_dtype", "unpack_scales", "unpack_values"]
@@ -91,6 +93,11 @@ def _q5_k(c):
     return _k45(c, q)
 
 
+def _q3_k(c):
+    q, scale = q3_k_parts(c)
+    return _sym(q.view(_U8) ^ _U8(0x80), _f16(c, 108) * scale)  # int8 q + 128: the byte with its sign bit flipped
+
+
 def _q6_k(c):
     n = c.shape[0]
     q = _nibbles(c, 0, 128, 64)
@@ -111,6 +118,7 @@ _DECODERS = {
     T.Q4_K: (_q4_k, 32),
     T.Q5_K: (_q5_k, 32),
     T.Q6_K: (_q6_k, 16),
+    T.Q3_K: (_q3_k, 16),
 }
 PACKED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DECODERS)
 # Types whose scales (and offsets) are the file's own fp16 numbers: packed as f16, exactly, 2 bytes instead of 4 per
@@ -121,19 +129,20 @@ F16_SCALE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
 
 # Bits per code of each type. Fewer bits than a byte are stored as a 4-bit nibble plus one bit plane per bit above
 # (layout in the module docstring): Q4_K 0.75 bytes per weight instead of 1.25, Q5_0 0.6875 instead of 1.0625.
-CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6}
+CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6, T.Q3_K: 4}
 
 
 # K-quants keep the file's two-level scales: per 16-column group and super-block of 256 values along K, the 16
 # columns' fp16 d, then (Q4_K, Q5_K: uint8) the 16 fp16 dmin, 8 x 16 6-bit scales and 8 x 16 6-bit mins (320 bytes),
-# or (Q6_K: int8) 16 x 16 signed scales (288 bytes). The kernel forms a = d * scale and c = -(dmin * min), the same
+# or (Q6_K, Q3_K: int8) 16 x 16 signed scales (288 bytes). The kernel forms a = d * scale and c = -(dmin * min), the same
 # exact f32 products the dequantizer computes: 0.078 / 0.070 bytes per weight instead of f32's 0.25.
-KSCALE_TYPES = {T.Q4_K: 320, T.Q5_K: 320, T.Q6_K: 288}
+KSCALE_TYPES = {T.Q4_K: 320, T.Q5_K: 320, T.Q6_K: 288, T.Q3_K: 288}
+_SIGNED_KSCALES = (T.Q6_K, T.Q3_K)  # int8 scales per 16 values, no offsets
 
 
 def scale_dtype(qtype) -> np.dtype:
     if qtype in KSCALE_TYPES:
-        return np.dtype(np.int8 if qtype == T.Q6_K else np.uint8)
+        return np.dtype(np.int8 if qtype in _SIGNED_KSCALES else np.uint8)
     return np.dtype(np.float16 if qtype in F16_SCALE_TYPES else np.float32)
 
 
@@ -149,6 +158,8 @@ def _kscales_into(dst: np.ndarray, blocks: np.ndarray, qtype, groups: int) -> No
 
     if qtype == T.Q6_K:
         parts = [lanes_last(blocks[:, 208:210], 2), lanes_last(blocks[:, 192:208], 16)]
+    elif qtype == T.Q3_K:
+        parts = [lanes_last(blocks[:, 108:110], 2), lanes_last(q3_k_parts(blocks)[1].view(_U8), 16)]
     else:
         sc, mn = _scale_min_k4(blocks[:, 4:16])
         parts = [lanes_last(blocks[:, 0:2], 2), lanes_last(blocks[:, 2:4], 2), lanes_last(sc, 8), lanes_last(mn, 8)]
@@ -168,7 +179,7 @@ def unpack_scales(a: np.ndarray, c: np.ndarray, qtype, n: int, k: int):
     S = k // 256
     blk = np.ascontiguousarray(a).view(np.uint8).reshape(G, S, KSCALE_TYPES[qtype])
     d = blk[:, :, :32].copy().view("<f2").astype(np.float32)[:, :, None, :]  # [G, S, 1, 16]
-    if qtype == T.Q6_K:
+    if qtype in _SIGNED_KSCALES:
         sc = blk[:, :, 32:].view(np.int8).reshape(G, S, 16, LANES)
         return rows(d * sc.astype(np.float32)), None
     dmin = blk[:, :, 32:64].copy().view("<f2").astype(np.float32)[:, :, None, :]

@@ -208,7 +208,7 @@ enum ScaleKind : int {
   kScaleF32,  // a (and c): [G, nb * nsub, 16] f32
   kScaleF16,  // the same in fp16 (the file's own block scales)
   kScaleK,    // K-quants, per group and super-block of 8 blocks: 16 fp16 d, then (Q4_K, Q5_K) 16 fp16 dmin, 8 x 16
-              // uint8 sub-block scales, 8 x 16 uint8 mins (320 bytes), or (Q6_K) 16 x 16 int8 scales (288 bytes);
+              // uint8 sub-block scales, 8 x 16 uint8 mins (320 bytes), or (Q6_K, Q3_K) 16 x 16 int8 scales (288 bytes);
               // a = d * scale, c = -(dmin * min): both products exact in f32 (11-bit by 8-bit mantissas)
 };
 
@@ -457,6 +457,7 @@ void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r
     case 510: return group_avx2_t<5, 1, false>(w, g, x, r0, r1, out, ldo);  // Q5_0
     case 511: return group_avx2_t<5, 1, true>(w, g, x, r0, r1, out, ldo);   // Q5_1, Q5_K
     case 620: return group_avx2_t<6, 2, false>(w, g, x, r0, r1, out, ldo);  // Q6_K
+    case 420: return group_avx2_t<4, 2, false>(w, g, x, r0, r1, out, ldo);  // Q3_K (codes q + 8 in 4 bits)
     default: return group_scalar(w, g, x, r0, r1, out, ldo);
   }
 }

@@ -102,21 +102,26 @@ class RandomBlocks:
     qtype: str
 
 
-# code standard deviation of uniform random bytes per type: Q8_0 codes are int8, Q4_0 codes are nibbles - 8
-_CODE_STD = {"Q8_0": float(np.sqrt((256**2 - 1) / 12)), "Q4_0": float(np.sqrt((16**2 - 1) / 12))}
-_BLOCK_BYTES = {"Q8_0": 32, "Q4_0": 16}
+# Per type: values and bytes of a block, byte offset of its fp16 scale d, and the standard deviation of value / d
+# when every other byte is uniform random. Q8_0 codes are int8, Q4_0 codes nibbles - 8; Q3_K values are
+# d * (scale - 32) * q with 6-bit scales and q in -4..3, all uniform: sqrt(E[(scale - 32)^2] * E[q^2]).
+_BLOCKS = {
+    "Q8_0": (32, 34, 0, float(np.sqrt((256**2 - 1) / 12))),
+    "Q4_0": (32, 18, 0, float(np.sqrt((16**2 - 1) / 12))),
+    "Q3_K": (256, 110, 108, float(np.sqrt(np.mean((np.arange(64) - 32.0) ** 2) * np.mean(np.arange(-4, 4.0) ** 2)))),
+}
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, int], std: float, qtype: str) -> RandomBlocks:
-    if qtype not in _CODE_STD:
-        raise ValueError(f"random_codes supports {sorted(_CODE_STD)}, not {qtype}")
+    if qtype not in _BLOCKS:
+        raise ValueError(f"random_codes supports {sorted(_BLOCKS)}, not {qtype}")
+    values, size, d_at, code_std = _BLOCKS[qtype]
     rows, cols = shape
-    if cols % 32:
-        raise ValueError(f"{qtype} rows need a multiple of 32 values, got {cols}")
-    nb, code_bytes = cols // 32, _BLOCK_BYTES[qtype]
-    blocks = np.empty((rows, nb, 2 + code_bytes), np.uint8)
-    blocks[..., :2] = np.frombuffer(np.float16(std / _CODE_STD[qtype]).tobytes(), np.uint8)
-    blocks[..., 2:] = np.frombuffer(rng.bytes(rows * nb * code_bytes), np.uint8).reshape(rows, nb, code_bytes)
+    if cols % values:
+        raise ValueError(f"{qtype} rows need a multiple of {values} values, got {cols}")
+    nb = cols // values
+    blocks = np.frombuffer(rng.bytes(rows * nb * size), np.uint8).reshape(rows, nb, size).copy()
+    blocks[..., d_at : d_at + 2] = np.frombuffer(np.float16(std / code_std).tobytes(), np.uint8)
     return RandomBlocks(blocks.reshape(rows, -1), qtype)
 
 
@@ -193,11 +198,11 @@ def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str | None = None
 def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, spec: FixtureSpec | None = None,
                   qtype: str | None = None, random_codes: bool = False) -> str:
     """Write the tiny random model `kind` (a key of FIXTURES, or `spec`) to path; returns the path. `qtype`
-    quantizes the matmul weights (see add_tensors); default F32. random_codes (with qtype Q8_0 or Q4_0) draws the
+    quantizes the matmul weights (see add_tensors); default F32. random_codes (with qtype Q8_0, Q4_0 or Q3_K) draws the
     matmul weights and the embedding directly as random blocks (RandomBlocks): for big shapes such as
     GEMMA3_1B_SHAPE, where quantizing f32 weights would take minutes and gigabytes."""
     if random_codes and qtype is None:
-        raise ValueError("random_codes needs a qtype (Q8_0 or Q4_0)")
+        raise ValueError("random_codes needs a qtype (Q8_0, Q4_0 or Q3_K)")
     import gguf
 
     spec = spec or FIXTURES[kind]
