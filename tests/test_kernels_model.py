@@ -224,26 +224,31 @@ def test_random_code_fixtures_are_valid_models(tmp_path, llama_ref, qtype):
     assert clear.sum() >= 20 and (got.argmax(-1) == want.argmax(-1))[clear].mean() >= 0.9
 
 
-def test_q3_k_models_run_on_the_kernels(tmp_path, llama_ref):
+@pytest.mark.parametrize("qtype, scale_dtype, bytes_per_weight", [
+    ("Q3_K", jnp.int8, (256 * 16 / 2 + 288) / (256 * 16)),  # 0.570: the file has 0.430
+    ("Q2_K", jnp.float32, 1.0),  # the file has 0.328
+])
+def test_low_bit_k_quants_run_on_the_kernels(tmp_path, llama_ref, qtype, scale_dtype, bytes_per_weight):
     """Q3_K (the bulk of Q3_K_S/M/L files) packs losslessly as 4-bit codes q + 8 with the file's int8 sub-block
-    scales: the kernels run it at 0.570 bytes per weight where the f32 path holds 4. Against the f32 path the usual
-    q8-activation bound holds; llama.cpp pairs Q3_K with q8_K activations (blocks of 256, not 32), so agreement with
-    it is on the argmax where its top-2 margin is clear. Verify rows stay the decode rows bit for bit."""
+    scales, Q2_K as 4-bit codes with f32 scale and offset per 16 values: the kernels run them at 0.570 and 1.0 bytes
+    per weight where the f32 path holds 4. Against the f32 path the usual q8-activation bound holds; llama.cpp pairs
+    these types with q8_K activations (blocks of 256, not 32), so agreement with it is on the argmax where its top-2
+    margin is clear. Verify rows stay the decode rows bit for bit."""
     import dataclasses
+
+    import jax
 
     from fucina_jax.testing import FIXTURES
 
     spec = dataclasses.replace(FIXTURES["qwen3"], n_embd=256, head_dim=64, n_ff=512, n_vocab=384)
-    path = write_fixture(tmp_path / "q3_k.gguf", spec=spec, qtype="Q3_K", random_codes=True)
+    path = write_fixture(tmp_path / f"{qtype}.gguf", spec=spec, qtype=qtype, random_codes=True)
     fast, ref = fucina_jax.load(path), fucina_jax.load(path, f32=True)
-    import jax
-
     packed = [x for x in jax.tree_util.tree_leaves(fast.params, is_leaf=lambda x: isinstance(x, kernels.QWeight))
               if isinstance(x, kernels.QWeight)]
-    # Q3_K's form: 4-bit codes, 16-value sub-blocks, int8 scales (all the fixture's matmuls and its embedding)
-    assert packed and all(w.bits == 4 and w.bs == 16 and w.a.dtype == jnp.int8 for w in packed) and n_packed(ref) == 0
-    weights = sum(w.shape[0] * w.shape[1] for w in packed)
-    assert sum(w.nbytes for w in packed) / weights == (256 * 16 / 2 + 288) / (256 * 16)  # 0.570: the file has 0.430
+    # every matmul and the embedding, in the type's form: 4-bit codes, 16-value sub-blocks
+    assert len(packed) >= 1 + 3 * spec.n_layer and n_packed(ref) == 0
+    assert all(w.bits == 4 and w.bs == 16 and w.a.dtype == scale_dtype for w in packed)
+    assert sum(w.nbytes for w in packed) / sum(w.shape[0] * w.shape[1] for w in packed) == bytes_per_weight
     a, b = fast.logits(IDS), ref.logits(IDS)
     top2 = np.sort(b, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 0.5

@@ -86,7 +86,7 @@ void narrow_codes(const uint8_t* src, int64_t n_blocks, int bits, uint8_t sub, u
 }
 
 // GGML type ids (ggml.h) of the types decode_codes takes; their block sizes in values and bytes.
-enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 bool block_shape(int type, int* values, int* bytes) {
   switch (type) {
@@ -95,6 +95,7 @@ bool block_shape(int type, int* values, int* bytes) {
     case kQ5_0: *values = 32, *bytes = 22; return true;
     case kQ5_1: *values = 32, *bytes = 24; return true;
     case kQ8_0: *values = 32, *bytes = 34; return true;
+    case kQ2_K: *values = 256, *bytes = 84; return true;
     case kQ3_K: *values = 256, *bytes = 110; return true;
     case kQ4_K: *values = 256, *bytes = 144; return true;
     case kQ5_K: *values = 256, *bytes = 176; return true;
@@ -150,6 +151,11 @@ inline void decode_block(const uint8_t* __restrict b, uint8_t* __restrict u) {
     }
     case kQ8_0:  // int8 q + 128: the byte with its sign bit flipped
       for (int i = 0; i < 32; ++i) u[i] = b[2 + i] ^ 0x80;
+      return;
+    case kQ2_K:  // value 128 g + 32 j + r: 2-bit field j of qs byte 32 g + r
+      for (int g = 0; g < 2; ++g)
+        for (int j = 0; j < 4; ++j)
+          for (int r = 0; r < 32; ++r) u[128 * g + 32 * j + r] = (b[16 + 32 * g + r] >> (2 * j)) & 3;
       return;
     case kQ3_K:  // value 128 g + 32 j + r: 2-bit field j of qs byte 32 g + r, plus 4 if bit 4 g + j of hmask byte r,
                  // minus 4; stored + 128
@@ -214,6 +220,7 @@ extern "C" PyObject* fucina_py_decode_codes(PyObject*, PyObject* args) {
     case kQ5_0: decode_all<kQ5_0>(b, n, u); break;
     case kQ5_1: decode_all<kQ5_1>(b, n, u); break;
     case kQ8_0: decode_all<kQ8_0>(b, n, u); break;
+    case kQ2_K: decode_all<kQ2_K>(b, n, u); break;
     case kQ3_K: decode_all<kQ3_K>(b, n, u); break;
     case kQ4_K: decode_all<kQ4_K>(b, n, u); break;
     case kQ5_K: decode_all<kQ5_K>(b, n, u); break;

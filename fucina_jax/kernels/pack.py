@@ -13,6 +13,7 @@ values and, for types with a per-block minimum, one offset `c`:
   Q5_1   32  affine     q            d              m
   Q4_K   32  affine     q            d * sc         -(dmin * m)
   Q5_K   32  affine     q            d * sc         -(dmin * m)
+  Q2_K   16  affine     q            d * sc         -(dmin * m)  (f32 scales: 4-bit codes + 8 bytes per 16 values)
 
 (`d * sc` is the float product ggml computes, so nothing is rounded that was not rounded before.) The packed form
 stores no more than the file: codes in as many bits as the type has (CODE_BITS; a 32-block of a 16-column group takes
@@ -21,7 +22,8 @@ in the file's two levels (KSCALE_TYPES), multiplied out by the kernel. Bytes per
 Q4_0 0.5625, Q5_0 0.6875, Q4_1 0.625, Q5_1 0.75, Q6_K 0.820 (each exactly the file's), Q4_K 0.578 and Q5_K 0.703
 (the file's 0.5625 and 0.6875: 6-bit sub-scales held in bytes), Q3_K 0.570 (the file's 0.430: its 3-bit codes held
 in 4, its 6-bit scales in bytes, so it runs on the 4-bit kernels instead of f32's 4 bytes); see
-docs/performance.md. Other types (Q2_K, i-quants, floats) stay on the f32 path.
+Q2_K 1.0 (the file's 0.328: 2-bit codes in 4, f32 scale and offset per 16 values); see docs/performance.md. Other
+types (i-quants, floats) stay on the f32 path.
 
 Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
   q uint8 [G, nb * 64 * bits]  per group and block, 8 chunks x 16 columns x 4 consecutive K values = 512 codes:
@@ -93,6 +95,15 @@ def _q5_k(c):
     return _k45(c, q)
 
 
+def _q2_k_scales(c):
+    sc = c[:, 0:16]
+    return _f16(c, 80) * (sc & _U8(15)), -(_f16(c, 82) * (sc >> _U8(4)))
+
+
+def _q2_k(c):
+    return (_crumbs(c[:, 16:80].reshape(c.shape[0], 2, 32)), *_q2_k_scales(c))
+
+
 def _q3_k(c):
     q, scale = q3_k_parts(c)
     return _sym(q.view(_U8) ^ _U8(0x80), _f16(c, 108) * scale)  # int8 q + 128: the byte with its sign bit flipped
@@ -119,6 +130,7 @@ _DECODERS = {
     T.Q5_K: (_q5_k, 32),
     T.Q6_K: (_q6_k, 16),
     T.Q3_K: (_q3_k, 16),
+    T.Q2_K: (_q2_k, 16),
 }
 PACKED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DECODERS)
 # Types whose scales (and offsets) are the file's own fp16 numbers: packed as f16, exactly, 2 bytes instead of 4 per
@@ -129,7 +141,7 @@ F16_SCALE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
 
 # Bits per code of each type. Fewer bits than a byte are stored as a 4-bit nibble plus one bit plane per bit above
 # (layout in the module docstring): Q4_K 0.75 bytes per weight instead of 1.25, Q5_0 0.6875 instead of 1.0625.
-CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6, T.Q3_K: 4}
+CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6, T.Q3_K: 4, T.Q2_K: 4}
 
 
 # K-quants keep the file's two-level scales: per 16-column group and super-block of 256 values along K, the 16
@@ -290,7 +302,7 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     rows = _as_bytes(raw).reshape(N, K // block * type_size)
     G = -(-N // LANES)
     nb, per_row = K // QBLOCK, K // bs
-    affine = qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K)
+    affine = qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K)
     bits = CODE_BITS[qtype]
     q = aligned_empty((G, nb * 64 * bits), np.uint8)
     q32 = q.view(np.uint32)  # [G, nb * 8 * 16]: one element = the 4 consecutive K values of one column
@@ -326,8 +338,9 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
                     blocks = _pad_rows(chunk, (g1 - g0) * LANES, 0).reshape(-1, type_size)
                 _kscales_into(a[g0:g1], blocks, qtype, g1 - g0)
             else:  # the other types' decoders give d (byte 0) as the scale and m (byte 2) as the offset
-                for dst, at in ((a, 0), (c, 2)) if affine else ((a, 0),):
-                    s_ = _f16(blocks, at).reshape(n1 - n0, per_row)
+                scales = _q2_k_scales(blocks) if qtype == T.Q2_K else [_f16(blocks, 0), _f16(blocks, 2)]
+                for dst, s_ in zip((a, c) if affine else (a,), scales):
+                    s_ = s_.reshape(n1 - n0, per_row)
                     _lanes_into(dst[g0:g1], _pad_rows(s_, (g1 - g0) * LANES, 0) if padded else s_)
         if done is not None:
             done(chunk)

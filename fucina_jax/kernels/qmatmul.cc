@@ -458,6 +458,7 @@ void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r
     case 511: return group_avx2_t<5, 1, true>(w, g, x, r0, r1, out, ldo);   // Q5_1, Q5_K
     case 620: return group_avx2_t<6, 2, false>(w, g, x, r0, r1, out, ldo);  // Q6_K
     case 420: return group_avx2_t<4, 2, false>(w, g, x, r0, r1, out, ldo);  // Q3_K (codes q + 8 in 4 bits)
+    case 421: return group_avx2_t<4, 2, true>(w, g, x, r0, r1, out, ldo);   // Q2_K (2-bit codes in 4 bits)
     default: return group_scalar(w, g, x, r0, r1, out, ldo);
   }
 }

@@ -102,26 +102,31 @@ class RandomBlocks:
     qtype: str
 
 
-# Per type: values and bytes of a block, byte offset of its fp16 scale d, and the standard deviation of value / d
-# when every other byte is uniform random. Q8_0 codes are int8, Q4_0 codes nibbles - 8; Q3_K values are
-# d * (scale - 32) * q with 6-bit scales and q in -4..3, all uniform: sqrt(E[(scale - 32)^2] * E[q^2]).
+# Per type: values and bytes of a block, the standard deviation of value / d when every other byte is uniform
+# random, and its fp16 fields as (byte offset, multiple of d). Q8_0 codes are int8, Q4_0 codes nibbles - 8; Q3_K
+# values are d * (scale - 32) * q with 6-bit scales and q in -4..3; Q2_K values d * sc * q - dmin * m with 4-bit sc
+# and m and q in 0..3, where dmin = 1.5 d centres them (E[sc q] = 1.5 E[m]).
+_U16, _U4, _Q2 = np.arange(64) - 32.0, np.arange(16.0), np.arange(4.0)
 _BLOCKS = {
-    "Q8_0": (32, 34, 0, float(np.sqrt((256**2 - 1) / 12))),
-    "Q4_0": (32, 18, 0, float(np.sqrt((16**2 - 1) / 12))),
-    "Q3_K": (256, 110, 108, float(np.sqrt(np.mean((np.arange(64) - 32.0) ** 2) * np.mean(np.arange(-4, 4.0) ** 2)))),
+    "Q8_0": (32, 34, float(np.sqrt((256**2 - 1) / 12)), ((0, 1.0),)),
+    "Q4_0": (32, 18, float(np.sqrt((16**2 - 1) / 12)), ((0, 1.0),)),
+    "Q3_K": (256, 110, float(np.sqrt(np.mean(_U16**2) * np.mean(np.arange(-4, 4.0) ** 2))), ((108, 1.0),)),
+    "Q2_K": (256, 84, float(np.sqrt(np.mean(_U4**2) * np.mean(_Q2**2) - 3 * np.mean(_U4) ** 2 * np.mean(_Q2)
+                                    + 2.25 * np.mean(_U4**2))), ((80, 1.0), (82, 1.5))),
 }
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, int], std: float, qtype: str) -> RandomBlocks:
     if qtype not in _BLOCKS:
         raise ValueError(f"random_codes supports {sorted(_BLOCKS)}, not {qtype}")
-    values, size, d_at, code_std = _BLOCKS[qtype]
+    values, size, code_std, fields = _BLOCKS[qtype]
     rows, cols = shape
     if cols % values:
         raise ValueError(f"{qtype} rows need a multiple of {values} values, got {cols}")
     nb = cols // values
     blocks = np.frombuffer(rng.bytes(rows * nb * size), np.uint8).reshape(rows, nb, size).copy()
-    blocks[..., d_at : d_at + 2] = np.frombuffer(np.float16(std / code_std).tobytes(), np.uint8)
+    for at, times in fields:
+        blocks[..., at : at + 2] = np.frombuffer(np.float16(times * std / code_std).tobytes(), np.uint8)
     return RandomBlocks(blocks.reshape(rows, -1), qtype)
 
 
@@ -198,11 +203,11 @@ def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str | None = None
 def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, spec: FixtureSpec | None = None,
                   qtype: str | None = None, random_codes: bool = False) -> str:
     """Write the tiny random model `kind` (a key of FIXTURES, or `spec`) to path; returns the path. `qtype`
-    quantizes the matmul weights (see add_tensors); default F32. random_codes (with qtype Q8_0, Q4_0 or Q3_K) draws the
+    quantizes the matmul weights (see add_tensors); default F32. random_codes (with qtype Q8_0, Q4_0, Q3_K or Q2_K) draws the
     matmul weights and the embedding directly as random blocks (RandomBlocks): for big shapes such as
     GEMMA3_1B_SHAPE, where quantizing f32 weights would take minutes and gigabytes."""
     if random_codes and qtype is None:
-        raise ValueError("random_codes needs a qtype (Q8_0, Q4_0 or Q3_K)")
+        raise ValueError("random_codes needs a qtype (Q8_0, Q4_0, Q3_K or Q2_K)")
     import gguf
 
     spec = spec or FIXTURES[kind]
