@@ -209,8 +209,9 @@ def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: 
          cache_type: str = "f32") -> Model:
     """Load a GGUF model; no path loads the embedded default model (Gemma 3 270M Q4_K_M).
 
-    Quantized matmul weights of the types the kernels take (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay
-    quantized and run through fucina_jax.kernels; `f32=True` dequantizes every weight to f32 instead: the pure-JAX
+    Quantized matmul weights of the types the kernels take (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+    IQ4_NL, IQ4_XS) stay quantized and run through fucina_jax.kernels; `f32=True` dequantizes every weight to f32
+    instead: the pure-JAX
     reference path (also the one to shard over devices, and the fallback where the kernels are not built).
     cache_type "f16" stores the KV cache in fp16 (half the memory, llama.cpp's default) instead of f32."""
     if cache_type not in CACHE_DTYPES:

@@ -440,7 +440,8 @@ def _iq4_nl(c: np.ndarray, o: np.ndarray) -> None:
     o *= _f16(c, 0)
 
 
-def _iq4_xs(c: np.ndarray, o: np.ndarray) -> None:
+def iq4_xs_scales(c: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks [n, 136] -> the 8 sub-block scales ls - 32 (int8 [n, 8], -32..31) of 32 values each."""
     n = c.shape[0]
     sl = c[:, 4:8]
     ls = np.empty((n, 4, 2), np.uint8)  # sub-block b = 2*i + h: nibble h of scales_l[i]
@@ -449,7 +450,12 @@ def _iq4_xs(c: np.ndarray, o: np.ndarray) -> None:
     sh = c[:, 2:4].view("<u2")  # [n, 1]
     high = ((sh >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
     ls = ls.reshape(n, 8) | high * _U8(16)
-    dl = _f16(c, 0) * (ls.view(np.int8) - np.int8(32))  # ls <= 63, so int8 is exact
+    return ls.view(np.int8) - np.int8(32)  # ls <= 63, so int8 is exact
+
+
+def _iq4_xs(c: np.ndarray, o: np.ndarray) -> None:
+    n = c.shape[0]
+    dl = _f16(c, 0) * iq4_xs_scales(c)
     o3 = o.reshape(n, 8, 32)
     o3[...] = np.take(KVALUES_IQ4NL, _nibbles(c, 8, 136, 16)).reshape(n, 8, 32)
     o3 *= dl[:, :, None]

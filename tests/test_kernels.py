@@ -29,7 +29,8 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not bui
 
 # byte offsets of the f16 scale fields per block (everything else in a block is free-form bits)
 F16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2],
-              T.Q5_K: [0, 2], T.Q6_K: [208], T.Q3_K: [108], T.Q2_K: [80, 82]}
+              T.Q5_K: [0, 2], T.Q6_K: [208], T.Q3_K: [108], T.Q2_K: [80, 82],
+              T.IQ4_NL: [0], T.IQ4_XS: [0]}
 
 
 def random_tensor(qtype, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -177,7 +178,8 @@ def test_leading_axes_and_jit_in_user_code():
     np.testing.assert_array_equal(got.reshape(6, n), flat)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q4_1, T.Q5_0, T.Q5_K, T.Q3_K, T.Q2_K],
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q4_1, T.Q5_0, T.Q5_K, T.Q3_K, T.Q2_K,
+                                   T.IQ4_NL, T.IQ4_XS],
                          ids=lambda t: t.name)
 def test_take_rows_equals_dequantized_rows(qtype):
     n, k = shape_for(qtype)

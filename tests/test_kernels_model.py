@@ -224,16 +224,19 @@ def test_random_code_fixtures_are_valid_models(tmp_path, llama_ref, qtype):
     assert clear.sum() >= 20 and (got.argmax(-1) == want.argmax(-1))[clear].mean() >= 0.9
 
 
-@pytest.mark.parametrize("qtype, scale_dtype, bytes_per_weight", [
-    ("Q3_K", jnp.int8, (256 * 16 / 2 + 288) / (256 * 16)),  # 0.570: the file has 0.430
-    ("Q2_K", jnp.float32, 1.0),  # the file has 0.328
+@pytest.mark.parametrize("qtype, bits, bs, scale_dtype, bytes_per_weight", [
+    ("Q3_K", 4, 16, jnp.int8, (256 * 16 / 2 + 288) / (256 * 16)),  # 0.570: the file has 0.430
+    ("Q2_K", 4, 16, jnp.float32, 1.0),  # the file has 0.328
+    ("IQ4_NL", 8, 32, jnp.float16, 34 / 32),  # the file has 0.5625
+    ("IQ4_XS", 8, 32, jnp.float32, 36 / 32),  # the file has 0.531
 ])
-def test_low_bit_k_quants_run_on_the_kernels(tmp_path, llama_ref, qtype, scale_dtype, bytes_per_weight):
+def test_low_bit_types_run_on_the_kernels(tmp_path, llama_ref, qtype, bits, bs, scale_dtype, bytes_per_weight):
     """Q3_K (the bulk of Q3_K_S/M/L files) packs losslessly as 4-bit codes q + 8 with the file's int8 sub-block
-    scales, Q2_K as 4-bit codes with f32 scale and offset per 16 values: the kernels run them at 0.570 and 1.0 bytes
-    per weight where the f32 path holds 4. Against the f32 path the usual q8-activation bound holds; llama.cpp pairs
-    these types with q8_K activations (blocks of 256, not 32), so agreement with it is on the argmax where its top-2
-    margin is clear. Verify rows stay the decode rows bit for bit."""
+    scales, Q2_K as 4-bit codes with f32 scale and offset per 16 values, IQ4_NL/IQ4_XS as byte codes (their 16 levels
+    are int8 values) with fp16 / f32 scales: the kernels run them at 0.57-1.13 bytes per weight where the f32 path
+    holds 4. Against the f32 path the usual q8-activation bound holds; llama.cpp pairs Q2_K, Q3_K and IQ4_XS with q8_K
+    activations (blocks of 256, not 32), so agreement with it is on the argmax where its top-2 margin is clear; with
+    IQ4_NL it uses q8_0, and the logits agree. Verify rows stay the decode rows bit for bit."""
     import dataclasses
 
     import jax
@@ -245,9 +248,9 @@ def test_low_bit_k_quants_run_on_the_kernels(tmp_path, llama_ref, qtype, scale_d
     fast, ref = fucina_jax.load(path), fucina_jax.load(path, f32=True)
     packed = [x for x in jax.tree_util.tree_leaves(fast.params, is_leaf=lambda x: isinstance(x, kernels.QWeight))
               if isinstance(x, kernels.QWeight)]
-    # every matmul and the embedding, in the type's form: 4-bit codes, 16-value sub-blocks
+    # every matmul and the embedding, in the type's form
     assert len(packed) >= 1 + 3 * spec.n_layer and n_packed(ref) == 0
-    assert all(w.bits == 4 and w.bs == 16 and w.a.dtype == scale_dtype for w in packed)
+    assert all(w.bits == bits and w.bs == bs and w.a.dtype == scale_dtype for w in packed)
     assert sum(w.nbytes for w in packed) / sum(w.shape[0] * w.shape[1] for w in packed) == bytes_per_weight
     a, b = fast.logits(IDS), ref.logits(IDS)
     top2 = np.sort(b, axis=-1)[:, -2:]
@@ -260,6 +263,8 @@ def test_low_bit_k_quants_run_on_the_kernels(tmp_path, llama_ref, qtype, scale_d
     clear = top2[:, 1] - top2[:, 0] > 0.5
     assert clear.sum() >= 10
     np.testing.assert_array_equal(a.argmax(-1)[clear], want.argmax(-1)[clear])
+    if qtype == "IQ4_NL":  # llama.cpp pairs it with q8_0 activations: the same integers (measured: all 65 rows equal)
+        assert (np.abs(a - want).max(axis=1) < 1e-4).mean() >= 0.8
     assert decode_vs_verify(fast, IDS[:20], IDS[20:36]) == 0.0
 
 

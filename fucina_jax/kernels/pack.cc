@@ -86,7 +86,8 @@ void narrow_codes(const uint8_t* src, int64_t n_blocks, int bits, uint8_t sub, u
 }
 
 // GGML type ids (ggml.h) of the types decode_codes takes; their block sizes in values and bytes.
-enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+              kIQ4_NL = 20, kIQ4_XS = 23 };
 
 bool block_shape(int type, int* values, int* bytes) {
   switch (type) {
@@ -100,6 +101,8 @@ bool block_shape(int type, int* values, int* bytes) {
     case kQ4_K: *values = 256, *bytes = 144; return true;
     case kQ5_K: *values = 256, *bytes = 176; return true;
     case kQ6_K: *values = 256, *bytes = 210; return true;
+    case kIQ4_NL: *values = 32, *bytes = 18; return true;
+    case kIQ4_XS: *values = 256, *bytes = 136; return true;
     default: return false;
   }
 }
@@ -173,6 +176,14 @@ inline void decode_block(const uint8_t* __restrict b, uint8_t* __restrict u) {
       for (int p = 0; p < 8; ++p)
         for (int r = 0; r < 32; ++r) u[32 * p + r] |= ((b[16 + r] >> p) & 1) << 4;
       return;
+    case kIQ4_NL:  // the int8 level of each nibble, + 128
+    case kIQ4_XS: {
+      constexpr int8_t kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+      const int nq = kType == kIQ4_NL ? 16 : 128;
+      nibbles(b + (kType == kIQ4_NL ? 2 : 8), nq, 16, u);
+      for (int i = 0; i < 2 * nq; ++i) u[i] = static_cast<uint8_t>(kLevels[u[i]] + 128);
+      return;
+    }
     case kQ6_K:  // 2-bit field j of high byte 32 g + r is value 128 g + 32 j + r's bits 4-5
       nibbles(b, 128, 64, u);
       for (int g = 0; g < 2; ++g)
@@ -225,6 +236,8 @@ extern "C" PyObject* fucina_py_decode_codes(PyObject*, PyObject* args) {
     case kQ4_K: decode_all<kQ4_K>(b, n, u); break;
     case kQ5_K: decode_all<kQ5_K>(b, n, u); break;
     case kQ6_K: decode_all<kQ6_K>(b, n, u); break;
+    case kIQ4_NL: decode_all<kIQ4_NL>(b, n, u); break;
+    case kIQ4_XS: decode_all<kIQ4_XS>(b, n, u); break;
   }
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;

@@ -14,6 +14,8 @@ values and, for types with a per-block minimum, one offset `c`:
   Q4_K   32  affine     q            d * sc         -(dmin * m)
   Q5_K   32  affine     q            d * sc         -(dmin * m)
   Q2_K   16  affine     q            d * sc         -(dmin * m)  (f32 scales: 4-bit codes + 8 bytes per 16 values)
+  IQ4_NL 32  symmetric  kv[q] + 128  d              -            (kv: the 16 non-linear int8 levels; byte codes)
+  IQ4_XS 32  symmetric  kv[q] + 128  d * (ls - 32)  -            (f32 scales)
 
 (`d * sc` is the float product ggml computes, so nothing is rounded that was not rounded before.) The packed form
 stores no more than the file: codes in as many bits as the type has (CODE_BITS; a 32-block of a 16-column group takes
@@ -22,8 +24,9 @@ in the file's two levels (KSCALE_TYPES), multiplied out by the kernel. Bytes per
 Q4_0 0.5625, Q5_0 0.6875, Q4_1 0.625, Q5_1 0.75, Q6_K 0.820 (each exactly the file's), Q4_K 0.578 and Q5_K 0.703
 (the file's 0.5625 and 0.6875: 6-bit sub-scales held in bytes), Q3_K 0.570 (the file's 0.430: its 3-bit codes held
 in 4, its 6-bit scales in bytes, so it runs on the 4-bit kernels instead of f32's 4 bytes); see
-Q2_K 1.0 (the file's 0.328: 2-bit codes in 4, f32 scale and offset per 16 values); see docs/performance.md. Other
-types (i-quants, floats) stay on the f32 path.
+Q2_K 1.0 (the file's 0.328: 2-bit codes in 4, f32 scale and offset per 16 values), IQ4_NL 1.0625 and IQ4_XS 1.125
+(the file's 0.5625 and 0.531: their levels are int8 values, so they take byte codes); see docs/performance.md. Other
+types (the codebook i-quants, floats) stay on the f32 path.
 
 Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
   q uint8 [G, nb * 64 * bits]  per group and block, 8 chunks x 16 columns x 4 consecutive K values = 512 codes:
@@ -42,7 +45,8 @@ import math
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from fucina_jax.quants import _bit_planes, _crumbs, _f16, _nibbles, _q5_quants, _scale_min_k4, _as_bytes, q3_k_parts
+from fucina_jax.quants import (KVALUES_IQ4NL, _as_bytes, _bit_planes, _crumbs, _f16, _nibbles, _q5_quants,
+                               _scale_min_k4, iq4_xs_scales, q3_k_parts)
 
 __all__ = ["CODE_BITS", "F16_SCALE_TYPES", "KSCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty",
            "decode_codes", "pack_codes", "pack_tensor", "scale_dtype", "unpack_scales", "unpack_values"]
@@ -95,6 +99,21 @@ def _q5_k(c):
     return _k45(c, q)
 
 
+_IQ4_CODES = KVALUES_IQ4NL.view(_U8) ^ _U8(0x80)  # level + 128
+
+
+def _iq4_nl(c):
+    return _sym(np.take(_IQ4_CODES, _nibbles(c, 2, 18, 16)), _f16(c, 0))
+
+
+def _iq4_xs_scales(c):
+    return (_f16(c, 0) * iq4_xs_scales(c),)
+
+
+def _iq4_xs(c):
+    return _sym(np.take(_IQ4_CODES, _nibbles(c, 8, 136, 16)), *_iq4_xs_scales(c))
+
+
 def _q2_k_scales(c):
     sc = c[:, 0:16]
     return _f16(c, 80) * (sc & _U8(15)), -(_f16(c, 82) * (sc >> _U8(4)))
@@ -131,17 +150,22 @@ _DECODERS = {
     T.Q6_K: (_q6_k, 16),
     T.Q3_K: (_q3_k, 16),
     T.Q2_K: (_q2_k, 16),
+    T.IQ4_NL: (_iq4_nl, 32),
+    T.IQ4_XS: (_iq4_xs, 32),
 }
 PACKED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_DECODERS)
 # Types whose scales (and offsets) are the file's own fp16 numbers: packed as f16, exactly, 2 bytes instead of 4 per
 # 32 values (the Q8_0 output layer of a 262k vocab moves 10.5 MB less per token). K-quants multiply two numbers into
 # a scale that fp16 may not hold: f32.
-F16_SCALE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
+F16_SCALE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.IQ4_NL})
+# Types whose f32 scales (and offsets) are products of the file's numbers, by the decoder's own function.
+_SCALE_PRODUCTS = {T.Q2_K: _q2_k_scales, T.IQ4_XS: _iq4_xs_scales}
 
 
 # Bits per code of each type. Fewer bits than a byte are stored as a 4-bit nibble plus one bit plane per bit above
 # (layout in the module docstring): Q4_K 0.75 bytes per weight instead of 1.25, Q5_0 0.6875 instead of 1.0625.
-CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6, T.Q3_K: 4, T.Q2_K: 4}
+CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6, T.Q3_K: 4, T.Q2_K: 4,
+             T.IQ4_NL: 8, T.IQ4_XS: 8}
 
 
 # K-quants keep the file's two-level scales: per 16-column group and super-block of 256 values along K, the 16
@@ -338,7 +362,8 @@ def pack_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
                     blocks = _pad_rows(chunk, (g1 - g0) * LANES, 0).reshape(-1, type_size)
                 _kscales_into(a[g0:g1], blocks, qtype, g1 - g0)
             else:  # the other types' decoders give d (byte 0) as the scale and m (byte 2) as the offset
-                scales = _q2_k_scales(blocks) if qtype == T.Q2_K else [_f16(blocks, 0), _f16(blocks, 2)]
+                scales = _SCALE_PRODUCTS[qtype](blocks) if qtype in _SCALE_PRODUCTS else [_f16(blocks, 0),
+                                                                                          _f16(blocks, 2)]
                 for dst, s_ in zip((a, c) if affine else (a,), scales):
                     s_ = s_.reshape(n1 - n0, per_row)
                     _lanes_into(dst[g0:g1], _pad_rows(s_, (g1 - g0) * LANES, 0) if padded else s_)
