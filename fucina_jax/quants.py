@@ -371,9 +371,9 @@ def _q2_k(c: np.ndarray, o: np.ndarray) -> None:
     o3 -= ml[:, :, None]
 
 
-def q3_k_parts(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q3_K blocks [n, 110] -> (quants int8 [n, 256] in -4..3, sub-block scales int8 [n, 16] in -32..31); the value
-    is fp16 d (bytes 108-109) * scale * quant, per 16 values."""
+def q3_k_scales(c: np.ndarray) -> np.ndarray:
+    """Q3_K blocks [n, 110] -> sub-block scales int8 [n, 16] in -32..31; a value is fp16 d (bytes 108-109) * scale *
+    quant (q3_k_quants), per 16 values."""
     n = c.shape[0]
     s = c[:, 96:108]
     low = np.empty((n, 16), np.uint8)
@@ -381,21 +381,25 @@ def q3_k_parts(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     np.right_shift(s[:, 0:8], _U8(4), out=low[:, 8:])
     high = _crumbs(s[:, None, 8:12]).reshape(n, 16)  # scale i: bits 2*(i//4) of byte 8 + i%4
     high *= _U8(16)
-    scale = (low | high).view(np.int8) - np.int8(32)
+    return (low | high).view(np.int8) - np.int8(32)
+
+
+def q3_k_quants(c: np.ndarray) -> np.ndarray:
+    """Q3_K blocks [n, 110] -> quants int8 [n, 256] in -4..3."""
+    n = c.shape[0]
     # quant = low 2 bits - 4 unless the high bit is set, i.e. low + 4*hbit - 4, in int8.
     q = _crumbs(c[:, 32:96].reshape(n, 2, 32))
     hbit = _bit_planes(c[:, 0:32])
     hbit *= _U8(4)
     q += hbit
     q -= _U8(4)
-    return q.view(np.int8), scale
+    return q.view(np.int8)
 
 
 def _q3_k(c: np.ndarray, o: np.ndarray) -> None:
-    q, scale = q3_k_parts(c)
-    dl = _f16(c, 108) * scale  # float32 [n, 16]
+    dl = _f16(c, 108) * q3_k_scales(c)  # float32 [n, 16]
     o3 = o.reshape(c.shape[0], 16, 16)
-    o3[...] = q.reshape(-1, 16, 16)
+    o3[...] = q3_k_quants(c).reshape(-1, 16, 16)
     o3 *= dl[:, :, None]
 
 

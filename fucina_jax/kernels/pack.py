@@ -46,7 +46,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fucina_jax.quants import (KVALUES_IQ4NL, _as_bytes, _bit_planes, _crumbs, _f16, _nibbles, _q5_quants,
-                               _scale_min_k4, iq4_xs_scales, q3_k_parts)
+                               _scale_min_k4, iq4_xs_scales, q3_k_quants, q3_k_scales)
 
 __all__ = ["CODE_BITS", "F16_SCALE_TYPES", "KSCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty",
            "decode_codes", "pack_codes", "pack_tensor", "scale_dtype", "unpack_scales", "unpack_values"]
@@ -124,8 +124,7 @@ def _q2_k(c):
 
 
 def _q3_k(c):
-    q, scale = q3_k_parts(c)
-    return _sym(q.view(_U8) ^ _U8(0x80), _f16(c, 108) * scale)  # int8 q + 128: the byte with its sign bit flipped
+    return _sym(q3_k_quants(c).view(_U8) ^ _U8(0x80), _f16(c, 108) * q3_k_scales(c))  # int8 q + 128: the byte with its sign bit flipped
 
 
 def _q6_k(c):
@@ -195,7 +194,7 @@ def _kscales_into(dst: np.ndarray, blocks: np.ndarray, qtype, groups: int) -> No
     if qtype == T.Q6_K:
         parts = [lanes_last(blocks[:, 208:210], 2), lanes_last(blocks[:, 192:208], 16)]
     elif qtype == T.Q3_K:
-        parts = [lanes_last(blocks[:, 108:110], 2), lanes_last(q3_k_parts(blocks)[1].view(_U8), 16)]
+        parts = [lanes_last(blocks[:, 108:110], 2), lanes_last(q3_k_scales(blocks).view(_U8), 16)]
     else:
         sc, mn = _scale_min_k4(blocks[:, 4:16])
         parts = [lanes_last(blocks[:, 0:2], 2), lanes_last(blocks[:, 2:4], 2), lanes_last(sc, 8), lanes_last(mn, 8)]
