@@ -6,6 +6,7 @@ a name -> array mapping. Malformed files are turned into `GGUFError` with a mess
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -42,6 +43,7 @@ _SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 DEFAULT_ALIGNMENT = 32
+_MAX_ARRAY_DEPTH = 8  # arrays of arrays nest this deep at most (real files: 1-2); deeper is a corrupt file
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class _Header:
         self.pos = start
         return [self.string() for _ in range(n)]
 
-    def value(self, t: int):
+    def value(self, t: int, depth: int = 0):
         if t == _STRING:
             return self.string()
         if t == _ARRAY:
@@ -130,7 +132,10 @@ class _Header:
             if et == _STRING:
                 return self.strings(n)
             if et == _ARRAY:
-                return [self.value(_ARRAY) for _ in range(n)]
+                if depth >= _MAX_ARRAY_DEPTH:
+                    raise GGUFError(f"GGUF file {self.path!r} is corrupt: arrays nested more than {_MAX_ARRAY_DEPTH} "
+                                    f"deep at offset {self.pos}")
+                return [self.value(_ARRAY, depth + 1) for _ in range(n)]
             if et not in _SCALAR:
                 raise GGUFError(f"GGUF file {self.path!r} is corrupt: unknown array type {et}")
             dt = np.dtype(_SCALAR[et])
@@ -224,6 +229,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = h.string()
+        if key in metadata:
+            raise GGUFError(f"GGUF file {path!r} is corrupt: metadata key {key!r} appears twice")
         metadata[key] = h.value(h.scalar(4))
     infos = []
     for _ in range(n_tensors):
@@ -234,10 +241,15 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         ne = [h.scalar(10) for _ in range(n_dims)]
         type_id, offset = h.scalar(4), h.scalar(10)
         infos.append((name, ne, type_id, offset))
-    align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT) or DEFAULT_ALIGNMENT)
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if type(align) is not int or align <= 0 or align & (align - 1):
+        raise GGUFError(f"GGUF file {path!r} is corrupt: general.alignment = {align!r} is not a power-of-2 integer")
     data_start = (h.pos + align - 1) // align * align
     tensors: dict[str, TensorInfo] = {}
+    expected = 0  # llama.cpp's rule: tensor data is laid out in directory order, each start aligned
     for name, ne, type_id, offset in infos:
+        if name in tensors:
+            raise GGUFError(f"GGUF file {path!r} is corrupt: tensor {name!r} appears twice")
         try:
             qtype = gguf.GGMLQuantizationType(type_id)
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -246,8 +258,17 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
                 f"tensor {name!r} in {path!r} has tensor type id {type_id}, which this gguf version does not know; "
                 "re-quantize the model to a common type (Q8_0, Q4_K, ...)"
             ) from None
-        n_el = int(np.prod(ne, dtype=np.int64)) if ne else 1
+        n_el = math.prod(ne)  # Python ints: no wrap-around
+        if ne and ne[0] % block:
+            raise GGUFError(f"GGUF file {path!r} is corrupt: tensor {name!r} rows of {ne[0]} values are not whole "
+                            f"{qtype.name} blocks of {block}")
         n_bytes = n_el // block * type_size
+        if offset != expected:
+            raise GGUFError(
+                f"GGUF file {path!r} is corrupt: tensor {name!r} has data offset {offset}, expected {expected} (the "
+                "end of the previous tensor's data, aligned). Download or convert it again."
+            )
+        expected += (n_bytes + align - 1) // align * align
         start = data_start + offset
         if start + n_bytes > size:
             raise GGUFError(

@@ -1,5 +1,6 @@
 """Bad input to load(): each case raises a specific exception whose message says what is wrong; none crashes or hangs."""
 
+import dataclasses
 import os
 import shutil
 
@@ -9,6 +10,7 @@ import pytest
 import fucina_jax
 from fucina_jax.errors import (
     GGUFError,
+    MetadataError,
     MissingTensorError,
     TensorShapeError,
     UnsupportedArchitectureError,
@@ -17,8 +19,9 @@ from fucina_jax.errors import (
 from fucina_jax.testing import FIXTURES, write_fixture
 
 
-def rewrite(src: str, dst: str, *, arch=None, drop=(), reshape=None, retype=None) -> str:
-    """Copy a GGUF with one thing changed, through gguf's reader and writer."""
+def rewrite(src: str, dst: str, *, arch=None, drop=(), reshape=None, retype=None, meta=None) -> str:
+    """Copy a GGUF with one thing changed, through gguf's reader and writer. meta: key -> (value, GGUFValueType),
+    replacing (or adding) metadata keys."""
     import gguf
 
     r = gguf.GGUFReader(src)
@@ -31,8 +34,15 @@ def rewrite(src: str, dst: str, *, arch=None, drop=(), reshape=None, retype=None
         vtype = f.types[0]
         val = f.contents()
         key = name.replace(arch_in + ".", arch + ".", 1)
+        if meta and key in meta:
+            continue
         if vtype == gguf.GGUFValueType.ARRAY:
             w.add_key_value(key, val, vtype, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, val, vtype)
+    for key, (val, vtype) in (meta or {}).items():
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, val, vtype, sub_type=gguf.GGUFValueType.STRING)
         else:
             w.add_key_value(key, val, vtype)
     for t in r.tensors:
@@ -114,3 +124,96 @@ def test_errors_share_a_base_class():
     for cls in (GGUFError, MissingTensorError, TensorShapeError, UnsupportedArchitectureError,
                 UnsupportedTensorTypeError):
         assert issubclass(cls, fucina_jax.FucinaError)
+
+
+def _v(name):
+    import gguf
+
+    return getattr(gguf.GGUFValueType, name)
+
+
+@pytest.mark.parametrize("key, value, vtype, match", [
+    ("qwen3.block_count", 0, "UINT32", r"'qwen3.block_count' = 0 is out of range"),
+    ("qwen3.block_count", 2**32 - 1, "UINT32", r"'qwen3.block_count' = 4294967295 is out of range \[1, 512\]"),
+    ("qwen3.attention.head_count", 0, "UINT32", r"'qwen3.attention.head_count' = 0"),
+    ("qwen3.embedding_length", "sixty-four", "STRING", r"'qwen3.embedding_length' must be an integer, got 'sixty-four'"),
+    ("qwen3.context_length", float("inf"), "FLOAT64", r"'qwen3.context_length' must be an integer, got inf"),
+    ("qwen3.attention.layer_norm_rms_epsilon", "tiny", "STRING", r"layer_norm_rms_epsilon' must be a finite"),
+    ("qwen3.rope.dimension_count", 64, "UINT32", r"'qwen3.rope.dimension_count' = 64 is out of range \[1, 32\]"),
+    ("qwen3.rope.freq_base", float("nan"), "FLOAT32", r"'qwen3.rope.freq_base' must be a positive number"),
+])
+def test_bad_metadata_values_name_the_key(good, tmp_path, key, value, vtype, match):
+    p = rewrite(good, str(tmp_path / "meta.gguf"), meta={key: (value, _v(vtype))})
+    with pytest.raises(MetadataError, match=match):
+        fucina_jax.load(p)
+
+
+def test_llama_rope_must_rotate_the_whole_head(fixture_path, tmp_path):
+    """As llama.cpp: a llama file with partial rotary (n_rot < head size) is refused, not run with the wrong RoPE."""
+    p = rewrite(fixture_path("llama"), str(tmp_path / "rot.gguf"), meta={"llama.rope.dimension_count": (8, _v("UINT32"))})
+    with pytest.raises(MetadataError, match="invalid rope.dimension_count 8, expected the head size 16"):
+        fucina_jax.load(p)
+
+
+def test_duplicate_metadata_key(tmp_path):
+    spec = dataclasses.replace(FIXTURES["qwen3"], extra_kv=(("qwen3.block_counX", 3),))
+    p = write_fixture(tmp_path / "dup.gguf", spec=spec)
+    data = open(p, "rb").read()  # (gguf's writer refuses duplicates, so the second key is renamed in place)
+    open(p, "wb").write(data.replace(b"qwen3.block_counX", b"qwen3.block_count"))
+    with pytest.raises(GGUFError, match="'qwen3.block_count' appears twice"):
+        fucina_jax.load(p)
+
+
+def test_alignment_must_be_a_power_of_two(good, tmp_path):
+    p = rewrite(good, str(tmp_path / "align.gguf"), meta={"general.alignment": (48, _v("UINT32"))})
+    with pytest.raises(GGUFError, match="general.alignment = 48 is not a power-of-2"):
+        fucina_jax.load(p)
+
+
+def _patch_offset(path: str, tensor: str, delta: int) -> None:
+    """Move one tensor's data offset in the header's tensor directory by delta bytes (the data stays put)."""
+    import struct
+
+    data = bytearray(open(path, "rb").read())
+    name = tensor.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    at += 4 + 8 * n_dims + 4  # dims, then the type
+    (offset,) = struct.unpack_from("<Q", data, at)
+    struct.pack_into("<Q", data, at, offset + delta)
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("delta", [4, -32])
+def test_tensor_data_offsets_are_checked(good, tmp_path, delta):
+    """A tensor whose offset is not where the previous one's data ends (moved, or overlapping its neighbour) would
+    read another tensor's bytes; llama.cpp refuses it, so does load()."""
+    p = str(tmp_path / "moved.gguf")
+    shutil.copy(good, p)
+    _patch_offset(p, "blk.0.attn_q.weight", delta)
+    with pytest.raises(GGUFError, match="tensor 'blk.0.attn_q.weight' has data offset"):
+        fucina_jax.load(p)
+
+
+def test_layers_past_block_count(good, tmp_path):
+    p = rewrite(good, str(tmp_path / "fewer.gguf"), meta={"qwen3.block_count": (2, _v("UINT32"))})
+    with pytest.raises(TensorShapeError, match="tensors of layer 2 but its metadata says block_count = 2"):
+        fucina_jax.load(p)
+
+
+def test_vocabulary_must_match_the_embedding(good, tmp_path):
+    import gguf
+
+    tokens = list(gguf.GGUFReader(good).fields["tokenizer.ggml.tokens"].contents())
+    p = rewrite(good, str(tmp_path / "vocab.gguf"), meta={"tokenizer.ggml.tokens": (tokens[:300], _v("ARRAY"))})
+    with pytest.raises(TensorShapeError, match=f"has {len(tokens)} rows but the tokenizer has 300 tokens"):
+        fucina_jax.load(p)
+
+
+def test_a_window_wider_than_any_cache_is_no_window(tmp_path):
+    """sliding_window = 2^31 (wider than int32 positions can express) runs, and equals a window wider than the
+    context: every position is visible either way."""
+    wide, huge = (write_fixture(tmp_path / f"w{w}.gguf", spec=dataclasses.replace(FIXTURES["gemma3"], window=w))
+                  for w in (4096, 2**31))
+    ids = list(range(5, 40))
+    np.testing.assert_array_equal(fucina_jax.load(wide).logits(ids), fucina_jax.load(huge).logits(ids))

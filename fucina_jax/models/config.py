@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,27 @@ def meta_get(md: dict, key: str, default=None, *, required: bool = False):
     return default
 
 
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
+MAX_WINDOW = 1 << 30  # a sliding window at least this wide sees every position any cache can hold: no window
+
+
+def meta_int(value, key: str, lo: int = 0, hi: int | None = None) -> int:
+    """A metadata integer (GGUF stores them as integer types; a bool, float or string is a broken file) in [lo, hi]."""
+    if type(value) is not int:
+        raise MetadataError(f"metadata {key!r} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise MetadataError(f"metadata {key!r} = {value} is out of range [{lo}, {'...' if hi is None else hi}]")
+    return value
+
+
+def meta_float(value, key: str, positive: bool = False) -> float:
+    """A finite metadata number (an integer type is accepted, as llama.cpp's float keys may be stored as ints)."""
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        want = "a positive" if positive else "a finite non-negative"
+        raise MetadataError(f"metadata {key!r} must be {want} number, got {value!r}")
+    return float(value)
+
+
 def per_layer(value, n_layers: int, key: str) -> list:
     """A scalar-or-array metadata value expanded to one entry per layer."""
     if isinstance(value, (list, tuple)):
@@ -108,33 +130,43 @@ def read_hparams(md: dict, arch: str) -> Hparams:
     def g(key, default=None, required=False):
         return meta_get(md, f"{arch}.{key}", default, required=required)
 
-    n_embd = int(g("embedding_length", required=True))
-    n_layer = int(g("block_count", required=True))
-    heads = per_layer(g("attention.head_count", required=True), n_layer, f"{arch}.attention.head_count")
-    n_head = int(heads[0])
-    if any(int(h) != n_head for h in heads):
+    def i(key, default=None, lo=1, hi=None, required=False):
+        return meta_int(g(key, default, required), f"{arch}.{key}", lo, hi)
+
+    def f(key, default=None, positive=False, required=False):
+        return meta_float(g(key, default, required), f"{arch}.{key}", positive)
+
+    def layers(key, default, lo):
+        return tuple(meta_int(x, f"{arch}.{key}", lo) for x in per_layer(g(key, default), n_layer, f"{arch}.{key}"))
+
+    n_embd = i("embedding_length", required=True)
+    n_layer = i("block_count", hi=MAX_LAYERS, required=True)
+    heads = layers("attention.head_count", g("attention.head_count", required=True), 1)
+    n_head = heads[0]
+    if any(h != n_head for h in heads):
         raise MetadataError(f"{arch}.attention.head_count varies per layer; that is not supported")
-    n_kv = tuple(int(x) for x in per_layer(g("attention.head_count_kv", n_head), n_layer, "head_count_kv"))
-    n_ff = tuple(int(x) for x in per_layer(g("feed_forward_length", 0), n_layer, "feed_forward_length"))
-    head_dim = int(g("attention.key_length", n_embd // n_head))
-    value_dim = int(g("attention.value_length", head_dim))
+    n_kv = layers("attention.head_count_kv", n_head, 0)
+    n_ff = layers("feed_forward_length", 0, 0)
+    head_dim = i("attention.key_length", n_embd // n_head)
+    value_dim = i("attention.value_length", head_dim)
     if value_dim != head_dim:
         raise MetadataError(f"{arch}: key_length {head_dim} != value_length {value_dim} is not supported")
-    head_dim_swa = int(g("attention.key_length_swa", head_dim))
-    n_rot = int(g("rope.dimension_count", head_dim))
-    n_rot_swa = int(g("rope.dimension_count_swa", n_rot if head_dim_swa == head_dim else head_dim_swa))
-    rope_base = float(g("rope.freq_base", 10000.0))
+    head_dim_swa = i("attention.key_length_swa", head_dim)
+    n_rot = i("rope.dimension_count", head_dim, hi=head_dim)
+    n_rot_swa = i("rope.dimension_count_swa", n_rot if head_dim_swa == head_dim else head_dim_swa, hi=head_dim_swa)
+    if n_rot % 2 or n_rot_swa % 2:
+        raise MetadataError(f"{arch}: rope.dimension_count {n_rot} (sliding {n_rot_swa}) must be even: RoPE turns pairs")
+    if arch == "llama" and n_rot != head_dim:  # as llama.cpp: partial rotary is another architecture's feature
+        raise MetadataError(f"{arch}: invalid rope.dimension_count {n_rot}, expected the head size {head_dim}")
+    rope_base = f("rope.freq_base", 10000.0, positive=True)
     scaling = g("rope.scaling.type", "none")
-    factor = float(g("rope.scaling.factor", 0.0) or 0.0)
+    factor = f("rope.scaling.factor", 0.0)
     if scaling not in ("none", "linear") and factor not in (0.0, 1.0):
         raise MetadataError(
             f"{arch}: rope scaling type {scaling!r} is not supported (only linear); "
             "re-convert the model without rope scaling or use llama.cpp"
         )
     rope_scale = 1.0 / factor if factor else 1.0
-    for name, v in (("n_head", n_head), ("n_embd", n_embd), ("n_layer", n_layer), ("head_dim", head_dim)):
-        if v <= 0:
-            raise MetadataError(f"{arch}: {name} = {v} is impossible")
     if any(n_head % k for k in n_kv if k):
         raise MetadataError(f"{arch}: head_count {n_head} is not a multiple of head_count_kv {n_kv}")
     return Hparams(
@@ -148,10 +180,10 @@ def read_hparams(md: dict, arch: str) -> Hparams:
         n_rot=n_rot,
         n_rot_swa=n_rot_swa,
         rope_base=rope_base,
-        rope_base_swa=float(g("rope.freq_base_swa", rope_base)),
+        rope_base_swa=f("rope.freq_base_swa", rope_base, positive=True),
         rope_scale=rope_scale,
-        eps=float(g("attention.layer_norm_rms_epsilon", required=True)),
-        ctx=int(g("context_length", 4096)),
-        window=int(g("attention.sliding_window", 0) or 0),
-        softcap=float(g("final_logit_softcapping", 0.0) or 0.0),
+        eps=f("attention.layer_norm_rms_epsilon", required=True),
+        ctx=i("context_length", 4096),
+        window=min(i("attention.sliding_window", 0, lo=0), MAX_WINDOW),
+        softcap=f("final_logit_softcapping", 0.0),
     )

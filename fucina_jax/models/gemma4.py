@@ -33,7 +33,7 @@ import numpy as np
 
 from fucina_jax.errors import MetadataError, MissingTensorError
 from fucina_jax.models.cache import KVCache
-from fucina_jax.models.config import LayerSpec, ModelConfig, meta_get, per_layer, read_hparams
+from fucina_jax.models.config import LayerSpec, ModelConfig, meta_float, meta_get, meta_int, per_layer, read_hparams
 from fucina_jax.models.layers import (
     ACTIVATIONS,
     attention_block,
@@ -73,6 +73,9 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool) -> ModelConfi
     def g(key, default=None, required=False):
         return meta_get(md, f"{ARCH}.{key}", default, required=required)
 
+    def gi(key, default=None, lo=1, hi=None):
+        return meta_int(g(key, default, required=default is None), f"{ARCH}.{key}", lo, hi)
+
     for key in REQUIRED_KEYS:
         g(key, required=True)
     hp = read_hparams(md, ARCH)
@@ -86,18 +89,18 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool) -> ModelConfi
     sliding = [bool(x) for x in pattern]
     if any(sliding) and hp.window <= 0:
         raise MetadataError(f"{ARCH}: sliding layers need attention.sliding_window > 0 (got {hp.window})")
-    hd_swa = int(g("attention.key_length_swa"))
-    if int(g("attention.value_length_swa")) != hd_swa:
+    hd_swa = gi("attention.key_length_swa")
+    if gi("attention.value_length_swa") != hd_swa:
         raise MetadataError(f"{ARCH}: key_length_swa != value_length_swa (llama.cpp rejects this file too)")
-    n_rot_swa = int(g("rope.dimension_count_swa", hp.n_rot))  # llama.cpp: defaults to the global n_rot
+    n_rot_swa = gi("rope.dimension_count_swa", hp.n_rot)  # llama.cpp: defaults to the global n_rot
     if n_rot_swa > hd_swa or hp.n_rot > hp.head_dim:
         raise MetadataError(
             f"{ARCH}: rotated dims exceed the head dim (rope.dimension_count {hp.n_rot} vs key_length {hp.head_dim}, "
             f"rope.dimension_count_swa {n_rot_swa} vs key_length_swa {hd_swa}); write rope.dimension_count_swa"
         )
-    base_swa = float(g("rope.freq_base_swa", SWA_ROPE_BASE_DEFAULT))
+    base_swa = meta_float(g("rope.freq_base_swa", SWA_ROPE_BASE_DEFAULT), f"{ARCH}.rope.freq_base_swa", positive=True)
 
-    n_shared = int(g("attention.shared_kv_layers", 0) or 0)
+    n_shared = gi("attention.shared_kv_layers", 0, lo=0, hi=L)
     first_shared = L - n_shared
     if n_shared and first_shared < 2:
         raise MetadataError(f"{ARCH}: attention.shared_kv_layers {n_shared} leaves fewer than 2 layers with a cache")
@@ -110,14 +113,14 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool) -> ModelConfi
                 "first_shared-1 (global)"
             )
 
-    n_expert = int(g("expert_count", 0) or 0)
+    n_expert = gi("expert_count", 0, lo=0)
     n_used = expert_ff = 0
     if n_expert:
-        n_used = int(g("expert_used_count", required=True))
+        n_used = gi("expert_used_count")
         ffs = set(per_layer(g("expert_feed_forward_length", required=True), L, f"{ARCH}.expert_feed_forward_length"))
         if len(ffs) != 1:
             raise MetadataError(f"{ARCH}: a per-layer expert_feed_forward_length is not supported ({sorted(ffs)})")
-        expert_ff = int(ffs.pop())
+        expert_ff = meta_int(ffs.pop(), f"{ARCH}.expert_feed_forward_length", 1)
         if not 0 < n_used <= n_expert:
             raise MetadataError(f"{ARCH}: expert_used_count {n_used} must be in [1, expert_count {n_expert}]")
 
@@ -153,7 +156,7 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool) -> ModelConfi
         n_expert=n_expert,
         n_expert_used=n_used,
         expert_ffn_dim=expert_ff,
-        ple_dim=int(g("embedding_length_per_layer_input")),
+        ple_dim=gi("embedding_length_per_layer_input", lo=0),
     )
 
 

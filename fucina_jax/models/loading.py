@@ -77,6 +77,25 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
     return arr
 
 
+def check_tensor_set(gf: GGUFFile, n_layers: int) -> None:
+    """What llama.cpp refuses before reading weights: layer tensors past block_count (the rest of the file would be
+    ignored), and a vocabulary whose size is not the embedding's row count (ids past either end would fail mid-run)."""
+    extra = sorted({int(i) for i in (n.split(".")[1] for n in gf.tensors if n.startswith("blk.")) if i.isdigit()}
+                   - set(range(n_layers)))
+    if extra:
+        raise TensorShapeError(
+            f"{gf.path!r} has tensors of layer {extra[0]} but its metadata says block_count = {n_layers}; the metadata "
+            "and the weights disagree: re-convert the model."
+        )
+    tokens = gf.metadata.get("tokenizer.ggml.tokens")
+    rows = gf.tensor_shape("token_embd.weight")[0] if "token_embd.weight" in gf.tensors else None
+    if isinstance(tokens, list) and rows is not None and len(tokens) != rows:
+        raise TensorShapeError(
+            f"tensor 'token_embd.weight' in {gf.path!r} has {rows} rows but the tokenizer has {len(tokens)} tokens; "
+            "they must match (llama.cpp refuses this file too): re-convert the model."
+        )
+
+
 def load_params(
     gf: GGUFFile,
     arch: str,
@@ -96,6 +115,8 @@ def load_params(
     that is transient, and each tensor is placed once (with 64-byte aligned packed arrays jax.device_put adopts the
     host buffer: no copy at all)."""
     import jax
+
+    check_tensor_set(gf, n_layers)
 
     def put(x):
         return jax.tree_util.tree_map(place, x)
