@@ -141,13 +141,37 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+MAX_RENDERED = 10_000_000  # characters a template's `*` may build; a chat prompt is far shorter
+
+
+@lru_cache(maxsize=1)
+def _environment_class():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Environment(ImmutableSandboxedEnvironment):
+        """The sandbox (no attribute games, ranges of at most 100k) plus bounds on `*` and `**`, so a hostile
+        template in a downloaded file fails with an error instead of filling memory ({{ "x" * 10**10 }})."""
+
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if operator == "*" and isinstance(seq, (str, list, tuple)) and isinstance(n, int) and (
+                    len(seq) * n > MAX_RENDERED):
+                raise SecurityError(f"the template builds a sequence longer than {MAX_RENDERED} with '*'")
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
+                raise SecurityError("the template raises a number to a power above 1024")
+            return super().call_binop(context, operator, left, right)
+
+    return Environment
+
+
 @lru_cache(maxsize=32)
 def _compile(source: str):
     import jinja2
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _environment_class()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -181,6 +205,8 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed to render: {e}") from None
+        except Exception as e:  # the template is code from the file: whatever it does wrong is the template's error
+            raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
 
     @property
     def turn_end(self) -> str:

@@ -98,6 +98,22 @@ def test_environment_like_transformers():
     assert ChatTemplate(src).render([{"role": "u", "content": "x"}, {"role": "u", "content": "y"}]) == "x\ny\n"
 
 
+@pytest.mark.parametrize("source, match", [
+    ('{{ "x" * 10**10 }}', "longer than"),  # would take ~10 GB
+    ("{{ 10**9 * [1] }}", "longer than"),
+    ("{{ 2 ** 100000 }}", "power above 1024"),
+    ("{% for i in range(10**12) %}{% endfor %}", "Range too big"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+])
+def test_hostile_templates_fail_cleanly(source, match):
+    """A template in a downloaded file is code: one that would exhaust memory, time or the stack, or raises a Python
+    error, is a ChatTemplateError, while ordinary uses of the same operators render."""
+    with pytest.raises(ChatTemplateError, match=match):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    assert ChatTemplate('{{ "ab" * 2 }}{{ 2 * "c" }}{{ 2 ** 10 }}{{ [0] * 2 }}').render([]) == "ababcc1024[0, 0]"
+
+
 def test_template_errors():
     with pytest.raises(ChatTemplateError, match="syntax error"):
         ChatTemplate("{% for m in messages %}").render([])
