@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "gate's table; uses the sampling flags and --ctx), print it, write it as JSON and a PNG "
                          "plot, and exit")
     sp.add_argument("--spec-bench-out", default=DEFAULT_SPEC_BENCH_OUT, metavar="BASE",
-                    help=f"--spec-bench writes BASE.json and BASE.png (default {DEFAULT_SPEC_BENCH_OUT})")
+                    help=f"--spec-bench writes BASE.json and BASE.png, replacing files of those names (default "
+                         f"{DEFAULT_SPEC_BENCH_OUT})")
     ch = p.add_argument_group("chat (the model's chat template; the KV cache carries over between turns)")
     ch.add_argument("--chat", action="store_true", help="send --prompt as one user turn of a chat and print the reply")
     ch.add_argument("--repl", action="store_true",
@@ -229,6 +230,10 @@ def run(args) -> int:
         raise CLIError("--chat needs the user message: give --prompt (or --prompt-file)")
     if args.system is not None and not chatting:
         raise CLIError("--system applies to --chat and --repl only")
+    if args.spec_bench:
+        if chatting:
+            raise CLIError("--spec-bench measures the model and exits: it cannot be combined with --chat/--repl")
+        _check_output_base(args.spec_bench_out)
     path = _model_path(args)
 
     import fucina_jax
@@ -319,6 +324,20 @@ def _run_chat(args, model, path, ctx, sampler, spec_options, refs, prompt) -> in
     if args.repl:
         return repl(conv, err=open(os.devnull, "w") if args.quiet else sys.stderr)
     return 0
+
+
+def _check_output_base(base: str) -> None:
+    """--spec-bench-out is checked before the benchmark runs (~30 s), not after: a writable directory, a file name."""
+    folder, name = os.path.split(base)
+    if not name:
+        raise CLIError(f"--spec-bench-out {base!r} names a directory; give a file name base, e.g. {base}spec_bench")
+    if not os.path.isdir(folder or "."):
+        raise CLIError(f"--spec-bench-out: directory {folder!r} does not exist")
+    if not os.access(folder or ".", os.W_OK):
+        raise CLIError(f"--spec-bench-out: directory {folder!r} is not writable")
+    for ext in (".json", ".png"):
+        if os.path.isdir(base + ext):
+            raise CLIError(f"--spec-bench-out: {base + ext!r} is a directory")
 
 
 def main(argv=None) -> int:

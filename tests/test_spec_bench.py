@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import time
 
 import pytest
 
@@ -76,6 +77,8 @@ def _write(tmp_path, text):
         ('{"table": [{"draft_len": 1, "cost": NaN}]}', "cost = nan"),
         ('{"table": [{"draft_len": 3, "cost": 1.1}, {"draft_len": 3, "cost": 1.2}]}', "strictly increase"),
         ('{"format": "other", "table": [{"draft_len": 1, "cost": 1.0}]}', "format 'other'"),
+        ('{"table": [{"draft_len": 1, "cost": 1%s}]}' % ("0" * 400), "cost = 1000000000"),  # past float's range
+        ("[" * 100000 + "]" * 100000, "not a JSON cost table"),  # nesting past Python's recursion limit
     ],
 )
 def test_bad_files_raise(tmp_path, text, what):
@@ -155,3 +158,22 @@ def test_cli_bad_cost_table_is_one_error_line(fixture_path, tmp_path, capsys):
     assert rc != 0 and err.startswith("error: ") and "cost = 0" in err and "Traceback" not in err
     rc = cli.main([fixture_path("qwen3"), "--prompt", "x", "--cost-table", str(tmp_path / "missing.json")])
     assert rc != 0 and "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("base, what", [
+    ("{tmp}/missing-dir/bench", "does not exist"),
+    ("", "names a directory"),
+    ("{tmp}/", "names a directory"),
+    ("{tmp}/taken", "is a directory"),
+])
+def test_cli_spec_bench_out_is_checked_before_the_benchmark(fixture_path, tmp_path, capsys, base, what):
+    """A bad --spec-bench-out fails at once (no model loaded, no ~30 s benchmark lost), with one error line."""
+    from fucina_jax import cli
+
+    (tmp_path / "taken.png").mkdir()
+    t0 = time.perf_counter()
+    rc = cli.main([fixture_path("qwen3"), "--spec-bench", "--spec-bench-out", base.format(tmp=tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --spec-bench-out") and what in err
+    assert time.perf_counter() - t0 < 5
+    assert not list(tmp_path.glob("*.json"))

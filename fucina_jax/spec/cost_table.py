@@ -59,7 +59,7 @@ def read_cost_points(path: str | os.PathLike) -> list[tuple[int, float]]:
         raise CostTableError(f"cannot read the cost table {path}: {e.strerror}") from None
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:  # (nesting, huge numbers)
         raise CostTableError(f"{path} is not a JSON cost table ({e}); {redo}") from None
     if not isinstance(doc, dict) or "table" not in doc:
         raise CostTableError(f"{path} has no 'table' list: it is not a --spec-bench cost table; {redo}")
@@ -78,11 +78,15 @@ def read_cost_points(path: str | os.PathLike) -> list[tuple[int, float]]:
         d, c = e["draft_len"], e["cost"]
         if isinstance(d, bool) or not isinstance(d, int) or d < 1:
             raise CostTableError(f"{path}: table entry {i} has draft_len = {d!r}; it must be an integer >= 1")
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-            raise CostTableError(f"{path}: table entry {i} has cost = {c!r}; it must be a finite number > 0 "
+        try:
+            cost = math.nan if isinstance(c, bool) or not isinstance(c, (int, float)) else float(c)
+        except OverflowError:  # an integer of hundreds of digits
+            cost = math.inf
+        if not math.isfinite(cost) or cost <= 0:
+            raise CostTableError(f"{path}: table entry {i} has cost = {repr(c)[:40]}; it must be a finite number > 0 "
                                  "(plain decode steps per verify)")
         if points and d <= points[-1][0]:
             raise CostTableError(f"{path}: draft_len must strictly increase, but entry {i} has {d} after "
                                  f"{points[-1][0]}")
-        points.append((d, float(c)))
+        points.append((d, cost))
     return points
