@@ -225,7 +225,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         raise GGUFError(f"{path!r} is GGUF version {version}; fucina_jax reads versions 2 and 3 (re-convert the model)")
     n_tensors, n_kv = h.scalar(10), h.scalar(10)
     if n_tensors > size or n_kv > size:
-        raise GGUFError(f"GGUF file {path!r} is corrupt: it claims {n_tensors} tensors and {n_kv} metadata keys")
+        raise GGUFError(f"GGUF file {path!r} is truncated or corrupt: it claims {n_tensors} tensors and {n_kv} "
+                        f"metadata keys in {size} bytes. Download or convert it again.")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = h.string()
