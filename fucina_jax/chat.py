@@ -31,7 +31,8 @@ import numpy as np
 
 from fucina_jax.chat_template import ChatTemplate, chat_template_for, encode_chat
 from fucina_jax.errors import ChatOptionsError, ContextFullError, FucinaError
-from fucina_jax.sampling import SamplerConfig
+from fucina_jax.model import Model
+from fucina_jax.sampling import SamplerConfig, validated_config
 
 __all__ = ["ChatOptions", "Conversation", "Reply", "TurnGate", "repl"]
 
@@ -55,11 +56,19 @@ class ChatOptions:
     clock: bool = True  # feed wall-clock step costs to the cost gate (False: the static cost table only)
 
     def validate(self, n_vocab: int) -> ChatOptions:
+        if not isinstance(self.max_tokens, (int, np.integer)) or isinstance(self.max_tokens, bool):
+            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__} {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ChatOptionsError(f"max_tokens = {self.max_tokens}: a turn generates at least one token")
         bad = [t for t in self.extra_stop_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < n_vocab]
         if bad:
             raise ChatOptionsError(f"extra_stop_ids {bad} are not token ids of this model (0..{n_vocab - 1})")
+        if self.spec_options is not None:
+            from fucina_jax.spec import SpecOptions
+
+            if not isinstance(self.spec_options, SpecOptions):
+                raise TypeError(f"spec_options must be a fucina_jax.spec.SpecOptions (or None), got "
+                                f"{type(self.spec_options).__name__}")
         if any(not isinstance(s, str) or not s for s in self.stop_sequences):
             raise ChatOptionsError(f"stop_sequences must be non-empty strings; got {self.stop_sequences!r}")
         if self.stop_sequences and self.speculation:
@@ -73,7 +82,7 @@ class ChatOptions:
                 "mid-verify would commit draws past it that plain decoding never makes (the one-draw-per-committed-"
                 "token contract). Use extra_stop_ids (token ids, checked per verified row) or turn speculation off"
             )
-        return dataclasses.replace(self, sampler=(self.sampler or SamplerConfig()).validate(),
+        return dataclasses.replace(self, sampler=validated_config(self.sampler),
                                    extra_stop_ids=tuple(int(t) for t in self.extra_stop_ids),
                                    stop_sequences=tuple(self.stop_sequences))
 
@@ -264,12 +273,16 @@ class Conversation:
     def __init__(self, model, options: ChatOptions | None = None, **kw):
         if options is not None and kw:
             raise TypeError("pass either options= or keyword options, not both")
+        if not isinstance(model, Model):
+            raise TypeError(f"model must be a fucina_jax Model (fucina_jax.load(path)), got {type(model).__name__}")
+        if options is not None and not isinstance(options, ChatOptions):
+            raise TypeError(f"options must be a ChatOptions, got {type(options).__name__}")
         self.model = model
         self.options = (options or ChatOptions(**kw)).validate(model.config.n_vocab)
         o = self.options
         tok = model.tokenizer
         self.template = o.template or chat_template_for(tok)
-        self.ctx = int(o.ctx or model.default_ctx)
+        self.ctx = model.check_ctx(o.ctx)
         stops = set(tok.eog_ids) | set(o.extra_stop_ids)
         end_id = tok.token_id(self.template.turn_end) if self.template.turn_end else None
         if end_id is not None:

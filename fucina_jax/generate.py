@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import aot, engine, sampling
 from fucina_jax.errors import ContextFullError
+from fucina_jax.model import Model
 from fucina_jax.models import fitted_capacity
 from fucina_jax.sampling import SamplerConfig
 
@@ -116,20 +117,32 @@ class Generation:
 def check_request(model, prompt_ids, max_tokens: int, sampler, ctx, stop_ids):
     """Validate one generation request (shared by plain and speculative decoding, so both refuse the same input
     with the same errors). Returns (prompt ids, validated SamplerConfig, ctx, stop ids)."""
-    prompt = [int(t) for t in prompt_ids]
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a fucina_jax Model (fucina_jax.load(path)), got {type(model).__name__}")
+    prompt = model.check_ids(prompt_ids).tolist()
+    if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__} {max_tokens!r}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens = {max_tokens} is invalid: it must be >= 0")
     if not prompt:
         raise ValueError("the prompt is empty: at least one token (e.g. BOS) is needed to start generating")
-    cfg = (sampler or SamplerConfig()).validate()
-    ctx = ctx or model.default_ctx
+    cfg = sampling.validated_config(sampler)
+    ctx = model.check_ctx(ctx)
     if len(prompt) >= ctx:
         raise ContextFullError(
             f"the prompt has {len(prompt)} tokens but the context holds {ctx}: use a larger --ctx (max "
             f"{model.config.context_length}) or a shorter prompt"
         )
-    stops = frozenset(model.tokenizer.eog_ids if stop_ids is None else stop_ids)
-    return prompt, cfg, ctx, stops
+    if stop_ids is None:
+        return prompt, cfg, ctx, frozenset(model.tokenizer.eog_ids)
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
+        raise TypeError(f"stop_ids must be a collection of token ids (ints), got {type(stop_ids).__name__}")
+    stop_ids = list(stop_ids)
+    V = model.config.n_vocab
+    bad = [t for t in stop_ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V]
+    if bad:
+        raise ValueError(f"stop_ids {bad} are not token ids of this model (0..{V - 1})")
+    return prompt, cfg, ctx, frozenset(int(t) for t in stop_ids)
 
 
 def generate(

@@ -91,6 +91,10 @@ def default_model_path() -> str:
     return str(path)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 def _n_vocab(gf: GGUFFile) -> int:
     if "token_embd.weight" not in gf.tensors:
         from fucina_jax.errors import MissingTensorError
@@ -118,7 +122,22 @@ class Model:
         return self._tokenizer
 
     def new_cache(self, ctx: int | None = None, batch: int = 1) -> KVCache:
-        return init_cache(self.config, ctx or self.default_ctx, batch)
+        if not _is_int(batch):
+            raise TypeError(f"batch must be an int, got {type(batch).__name__} {batch!r}")
+        if batch < 1:
+            raise ValueError(f"batch = {batch} is invalid: it must be >= 1")
+        return init_cache(self.config, self.check_ctx(ctx), batch)
+
+    def check_ctx(self, ctx) -> int:
+        """A context size (token positions) as an int: None or 0 = default_ctx, else an int >= 1."""
+        if ctx is None:
+            return self.default_ctx
+        if not _is_int(ctx):
+            raise TypeError(f"ctx must be an int (token positions), got {type(ctx).__name__} {ctx!r}")
+        if ctx < 0:
+            raise ValueError(f"ctx = {ctx} is invalid: it must be >= 1 token positions (0 or None: the model's "
+                             f"default, {self.default_ctx})")
+        return int(ctx) or self.default_ctx
 
     @property
     def default_ctx(self) -> int:
@@ -127,10 +146,9 @@ class Model:
     def logits(self, token_ids) -> np.ndarray:
         """[len(token_ids), n_vocab] float32 logits of a full causal forward over exactly these ids (no BOS added,
         no cache reuse), computed in verify-width chunks on a fresh cache."""
-        ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        ids = self.check_ids(token_ids)
         if ids.size == 0:
             return np.zeros((0, self.config.n_vocab), np.float32)
-        self.check_ids(ids)
         width = engine.VERIFY_BUCKETS[-1]
         cache = self.new_cache(ctx=max(ids.size, 1))
         out = []
@@ -163,16 +181,37 @@ class Model:
         if spec or source is not None or references:
             from fucina_jax.spec import generate_speculative
 
-            refs = [self.tokenizer.encode(r, add_special=False) if isinstance(r, str) else list(r) for r in references]
             return generate_speculative(self, ids, max_tokens=max_tokens, sampler=sampler, ctx=ctx, stop_ids=stop_ids,
-                                        source=source, references=refs, options=spec_options)
+                                        source=source, references=references, options=spec_options)
         from fucina_jax.generate import generate
 
         return generate(self, ids, max_tokens=max_tokens, sampler=sampler, ctx=ctx, stop_ids=stop_ids)
 
-    def check_ids(self, ids: np.ndarray) -> None:
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_vocab):
-            raise ValueError(f"token ids must be in [0, {self.config.n_vocab}); got {ids.min()}..{ids.max()}")
+    def check_ids(self, ids) -> np.ndarray:
+        """Token ids (a sequence or array of ints) as a flat int32 array. Text or non-integers are a TypeError, ids
+        outside [0, n_vocab) a ValueError (checked before the int32 cast, which would overflow or wrap)."""
+        if isinstance(ids, (str, bytes, bytearray)):
+            raise TypeError(f"token ids are expected, got {type(ids).__name__}: encode text with "
+                            "model.tokenizer.encode(text) (Model.generate also takes a str)")
+        a = np.asarray(ids)
+        if a.dtype == object and a.ndim == 0:  # an iterator, a set, ...
+            try:
+                a = np.asarray(list(ids))
+            except TypeError:
+                raise TypeError(f"token ids must be a sequence of ints, got {type(ids).__name__}") from None
+        a = a.reshape(-1)
+        if a.size == 0:
+            return a.astype(np.int32)
+        if a.dtype == object:  # Python ints past int64, or mixed types
+            bad = [t for t in a if not _is_int(t)]
+            if bad:
+                raise TypeError(f"token ids must be integers, got {type(bad[0]).__name__} {bad[0]!r}")
+        elif a.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got {a.dtype} values")
+        lo, hi = a.min(), a.max()
+        if lo < 0 or hi >= self.config.n_vocab:
+            raise ValueError(f"token ids must be in [0, {self.config.n_vocab}); got {lo}..{hi}")
+        return a.astype(np.int32, copy=False)
 
     def prefill(self, ids, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Append ids to row 0 of the cache in bucketed chunks; returns the logits [V] after the last id."""
@@ -182,10 +221,11 @@ class Model:
     def prefill_rows(self, ids, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """prefill, with the logits as the [1, V] row the sampling steps take (no eager op to reshape them: each
         costs a compile, or a compile-cache read, at start-up)."""
-        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        ids = self.check_ids(ids)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
-        self.check_ids(ids)
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache (model.new_cache(ctx)), got {type(cache).__name__}")
         start = int(np.asarray(cache.length)[0])
         if start + ids.size > cache.capacity:
             raise ContextFullError(

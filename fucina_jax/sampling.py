@@ -56,6 +56,7 @@ from fucina_jax.errors import SamplerConfigError
 __all__ = [
     "SamplerConfig",
     "SamplerParams",
+    "validated_config",
     "History",
     "TRACE_COUNTS",
     "TOP_K_OFF_CAP",
@@ -90,6 +91,10 @@ _PAIRWISE_MAX_WINDOW = 256
 
 # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF) means "pick a random seed"; we spell that None.
 _MAX_SEED = 2**32 - 1
+
+# top_k, min_keep and repeat_last_n travel as int32; larger values mean the same as this one (the whole vocab, every
+# token, the whole context), so params() clamps them.
+_MAX_INT32 = 2**31 - 1
 
 
 def _pow2_at_least(n: int) -> int:
@@ -172,12 +177,12 @@ class SamplerConfig:
         f32, i32 = np.float32, np.int32
         return jax.device_put(SamplerParams(  # device_put of host values: a copy, no compiled op (start-up cost)
             temperature=np.asarray(c.temperature, f32),
-            top_k=np.asarray(c.top_k, i32),
+            top_k=np.asarray(min(c.top_k, _MAX_INT32), i32),
             top_p=np.asarray(c.top_p, f32),
             min_p=np.asarray(c.min_p, f32),
-            min_keep=np.asarray(c.min_keep, i32),
+            min_keep=np.asarray(min(c.min_keep, _MAX_INT32), i32),
             repeat_penalty=np.asarray(c.repeat_penalty, f32),
-            repeat_last_n=np.asarray(c.repeat_last_n, i32),
+            repeat_last_n=np.asarray(min(c.repeat_last_n, _MAX_INT32), i32),
             frequency_penalty=np.asarray(c.frequency_penalty, f32),
             presence_penalty=np.asarray(c.presence_penalty, f32),
             seed=np.asarray(c.seed, np.uint32),
@@ -196,10 +201,21 @@ class SamplerConfig:
         return min(int(n_vocab), _pow2_at_least(self.top_k))
 
     def history_capacity(self, n_ctx: int) -> int:
-        """Static window size that holds the last repeat_last_n tokens (the whole context for -1)."""
+        """Static window size that holds the last repeat_last_n tokens (the whole context for -1), never more than
+        the context: a stream never holds more than n_ctx tokens, so a longer window penalises the same ones."""
         if self.repeat_last_n < 0:
             return int(n_ctx)
-        return _pow2_at_least(max(1, self.repeat_last_n))
+        return min(_pow2_at_least(max(1, self.repeat_last_n)), int(n_ctx))
+
+
+def validated_config(sampler: SamplerConfig | None) -> SamplerConfig:
+    """`sampler` validated (None = SamplerConfig()); anything but a SamplerConfig is a TypeError."""
+    if sampler is None:
+        return SamplerConfig().validate()
+    if not isinstance(sampler, SamplerConfig):
+        raise TypeError(f"sampler must be a SamplerConfig (or None for the defaults), got {type(sampler).__name__} "
+                        f"{sampler!r}: e.g. sampler=SamplerConfig(temperature=0) for greedy decoding")
+    return sampler.validate()
 
 
 class SamplerParams(NamedTuple):

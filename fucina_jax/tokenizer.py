@@ -1172,7 +1172,10 @@ class Tokenizer:
         if self._pieces is None:
             self._build_pieces()
         table = self._pieces_plain if skip_special else self._pieces
+        ids = ids if isinstance(ids, list) else list(ids)
         try:
+            if ids and min(ids) < 0:  # a negative id would index from the end of the table
+                raise IndexError
             return b"".join(table[i] for i in ids)
         except (IndexError, TypeError):
             bad = next(i for i in ids if not isinstance(i, (int, np.integer)) or not 0 <= i < len(table))

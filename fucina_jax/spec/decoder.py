@@ -392,6 +392,15 @@ def generate_speculative(
     time.perf_counter_ns for the gate's live cost model, False prices verifies from the static table only.
     """
     prompt, cfg, ctx, stops = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
+    if options is not None and not isinstance(options, SpecOptions):
+        raise TypeError(f"options must be a fucina_jax.spec.SpecOptions (or None), got {type(options).__name__}: "
+                        "e.g. SpecOptions(max_draft=8)")
+    if source is not None and not all(callable(getattr(source, f, None)) for f in ("suggest", "observe")):
+        raise TypeError(f"source must be a draft source (fucina_jax.index.DraftSource, e.g. a SpeculationIndex), "
+                        f"got {type(source).__name__}")
+    if isinstance(references, (str, bytes)):
+        raise TypeError(f"references must be a list of documents (text or token ids), got a "
+                        f"{type(references).__name__}: pass one document as [doc]")
     if source is None:
         from fucina_jax.index import SpeculationIndex
 
