@@ -234,7 +234,7 @@ def _turn_decoder_class():
             if not 0 < ids.size < self.ctx:
                 raise ContextFullError(
                     f"the conversation has {ids.size} tokens but the context holds {self.ctx}: use a larger --ctx, "
-                    "or /reset the conversation"
+                    "or start a new conversation (/reset in the REPL)"
                 )
             cache = self.cache
             c = min(keep, self._cache_len) if cache is not None else 0
@@ -341,7 +341,7 @@ class Conversation:
         if ids.size >= self.ctx:
             raise ContextFullError(
                 f"the conversation has {ids.size} tokens but the context holds {self.ctx}: use a larger --ctx, "
-                "or /reset the conversation"
+                "or start a new conversation (/reset in the REPL)"
             )
         return self._turn(ids, message, len(self.messages))
 

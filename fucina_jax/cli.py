@@ -217,6 +217,10 @@ def run(args) -> int:
         prompt = _read_text("-")
     elif args.prompt is not None:
         prompt = args.prompt
+        bad = next((i for i, ch in enumerate(prompt) if "\udc80" <= ch <= "\udcff"), None)
+        if bad is not None:  # Python keeps undecodable argv bytes as lone surrogates (surrogateescape)
+            raise CLIError(f"--prompt is not valid UTF-8 (byte 0x{ord(prompt[bad]) - 0xDC00:02x} at character {bad}): "
+                           "pass UTF-8 text, or read the prompt from a file with --prompt-file")
     else:
         prompt = ""
     sampler = _sampler(args)  # validate flags before the slow load
