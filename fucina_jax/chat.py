@@ -31,7 +31,7 @@ import numpy as np
 
 from fucina_jax.chat_template import ChatTemplate, chat_template_for, encode_chat
 from fucina_jax.errors import ChatOptionsError, ContextFullError, FucinaError
-from fucina_jax.model import Model
+from fucina_jax.model import Model, is_int
 from fucina_jax.sampling import SamplerConfig, validated_config
 
 __all__ = ["ChatOptions", "Conversation", "Reply", "TurnGate", "repl"]
@@ -56,7 +56,7 @@ class ChatOptions:
     clock: bool = True  # feed wall-clock step costs to the cost gate (False: the static cost table only)
 
     def validate(self, n_vocab: int) -> ChatOptions:
-        if not isinstance(self.max_tokens, (int, np.integer)) or isinstance(self.max_tokens, bool):
+        if not is_int(self.max_tokens):
             raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__} {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ChatOptionsError(f"max_tokens = {self.max_tokens}: a turn generates at least one token")

@@ -15,7 +15,7 @@ import numpy as np
 
 from fucina_jax import aot, engine, sampling
 from fucina_jax.errors import ContextFullError
-from fucina_jax.model import Model
+from fucina_jax.model import Model, is_int
 from fucina_jax.models import fitted_capacity
 from fucina_jax.sampling import SamplerConfig
 
@@ -120,7 +120,7 @@ def check_request(model, prompt_ids, max_tokens: int, sampler, ctx, stop_ids):
     if not isinstance(model, Model):
         raise TypeError(f"model must be a fucina_jax Model (fucina_jax.load(path)), got {type(model).__name__}")
     prompt = model.check_ids(prompt_ids).tolist()
-    if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool):
+    if not is_int(max_tokens):
         raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__} {max_tokens!r}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens = {max_tokens} is invalid: it must be >= 0")
@@ -139,7 +139,7 @@ def check_request(model, prompt_ids, max_tokens: int, sampler, ctx, stop_ids):
         raise TypeError(f"stop_ids must be a collection of token ids (ints), got {type(stop_ids).__name__}")
     stop_ids = list(stop_ids)
     V = model.config.n_vocab
-    bad = [t for t in stop_ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V]
+    bad = [t for t in stop_ids if not is_int(t) or not 0 <= t < V]
     if bad:
         raise ValueError(f"stop_ids {bad} are not token ids of this model (0..{V - 1})")
     return prompt, cfg, ctx, frozenset(int(t) for t in stop_ids)

@@ -91,7 +91,8 @@ def default_model_path() -> str:
     return str(path)
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An integer argument: a Python or NumPy int, not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
@@ -122,7 +123,7 @@ class Model:
         return self._tokenizer
 
     def new_cache(self, ctx: int | None = None, batch: int = 1) -> KVCache:
-        if not _is_int(batch):
+        if not is_int(batch):
             raise TypeError(f"batch must be an int, got {type(batch).__name__} {batch!r}")
         if batch < 1:
             raise ValueError(f"batch = {batch} is invalid: it must be >= 1")
@@ -132,7 +133,7 @@ class Model:
         """A context size (token positions) as an int: None or 0 = default_ctx, else an int >= 1."""
         if ctx is None:
             return self.default_ctx
-        if not _is_int(ctx):
+        if not is_int(ctx):
             raise TypeError(f"ctx must be an int (token positions), got {type(ctx).__name__} {ctx!r}")
         if ctx < 0:
             raise ValueError(f"ctx = {ctx} is invalid: it must be >= 1 token positions (0 or None: the model's "
@@ -203,7 +204,7 @@ class Model:
         if a.size == 0:
             return a.astype(np.int32)
         if a.dtype == object:  # Python ints past int64, or mixed types
-            bad = [t for t in a if not _is_int(t)]
+            bad = [t for t in a if not is_int(t)]
             if bad:
                 raise TypeError(f"token ids must be integers, got {type(bad[0]).__name__} {bad[0]!r}")
         elif a.dtype.kind not in "iu":

@@ -360,11 +360,16 @@ def _q5_1(c: np.ndarray, o: np.ndarray) -> None:
     o += _f16(c, 2)
 
 
+def q2_k_scales(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q2_K blocks [n, 84] -> (d * sc, dmin * m), float32 [n, 16] each: a value is d * sc * q - dmin * m per 16
+    values (C computes each product first, in float)."""
+    sc = c[:, 0:16]
+    return _f16(c, 80) * (sc & _U8(15)), _f16(c, 82) * (sc >> _U8(4))
+
+
 def _q2_k(c: np.ndarray, o: np.ndarray) -> None:
     n = c.shape[0]
-    sc = c[:, 0:16]
-    dl = _f16(c, 80) * (sc & _U8(15))  # float32 [n, 16]: C computes d * scale first, in float
-    ml = _f16(c, 82) * (sc >> _U8(4))
+    dl, ml = q2_k_scales(c)
     o3 = o.reshape(n, 16, 16)
     o3[...] = _crumbs(c[:, 16:80].reshape(n, 2, 32)).reshape(n, 16, 16)
     o3 *= dl[:, :, None]

@@ -86,8 +86,10 @@ void narrow_codes(const uint8_t* src, int64_t n_blocks, int bits, uint8_t sub, u
 }
 
 // GGML type ids (ggml.h) of the types decode_codes takes; their block sizes in values and bytes.
-enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-              kIQ4_NL = 20, kIQ4_XS = 23 };
+enum : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
+};
 
 bool block_shape(int type, int* values, int* bytes) {
   switch (type) {

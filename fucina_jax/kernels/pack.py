@@ -22,11 +22,10 @@ stores no more than the file: codes in as many bits as the type has (CODE_BITS; 
 64 * bits bytes); scales the file keeps in fp16 (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1) as those fp16 numbers; K-quant scales
 in the file's two levels (KSCALE_TYPES), multiplied out by the kernel. Bytes per weight (codes + scales): Q8_0 1.0625,
 Q4_0 0.5625, Q5_0 0.6875, Q4_1 0.625, Q5_1 0.75, Q6_K 0.820 (each exactly the file's), Q4_K 0.578 and Q5_K 0.703
-(the file's 0.5625 and 0.6875: 6-bit sub-scales held in bytes), Q3_K 0.570 (the file's 0.430: its 3-bit codes held
-in 4, its 6-bit scales in bytes, so it runs on the 4-bit kernels instead of f32's 4 bytes); see
-Q2_K 1.0 (the file's 0.328: 2-bit codes in 4, f32 scale and offset per 16 values), IQ4_NL 1.0625 and IQ4_XS 1.125
-(the file's 0.5625 and 0.531: their levels are int8 values, so they take byte codes); see docs/performance.md. Other
-types (the codebook i-quants, floats) stay on the f32 path.
+(the file's 0.5625 and 0.6875: 6-bit sub-scales held in bytes), Q3_K 0.570 (the file's 0.430: 3-bit codes held in
+4, 6-bit scales in bytes), Q2_K 1.0 (the file's 0.328: 2-bit codes in 4, f32 scale and offset per 16 values), IQ4_NL
+1.0625 and IQ4_XS 1.125 (the file's 0.5625 and 0.531: their levels are int8 values, so they take byte codes); see
+docs/performance.md. Other types (the codebook i-quants, floats) stay on the f32 path.
 
 Packed arrays of a weight [N, K] (N padded to a multiple of 16 columns, G = N/16 groups, nb = K/32 blocks):
   q uint8 [G, nb * 64 * bits]  per group and block, 8 chunks x 16 columns x 4 consecutive K values = 512 codes:
@@ -46,7 +45,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fucina_jax.quants import (KVALUES_IQ4NL, _as_bytes, _bit_planes, _crumbs, _f16, _nibbles, _q5_quants,
-                               _scale_min_k4, iq4_xs_scales, q3_k_quants, q3_k_scales)
+                               _scale_min_k4, iq4_xs_scales, q2_k_scales, q3_k_quants, q3_k_scales)
 
 __all__ = ["CODE_BITS", "F16_SCALE_TYPES", "KSCALE_TYPES", "LANES", "PACKED_TYPES", "QBLOCK", "aligned_empty",
            "decode_codes", "pack_codes", "pack_tensor", "scale_dtype", "unpack_scales", "unpack_values"]
@@ -115,8 +114,8 @@ def _iq4_xs(c):
 
 
 def _q2_k_scales(c):
-    sc = c[:, 0:16]
-    return _f16(c, 80) * (sc & _U8(15)), -(_f16(c, 82) * (sc >> _U8(4)))
+    dl, ml = q2_k_scales(c)
+    return dl, -ml
 
 
 def _q2_k(c):
@@ -124,7 +123,8 @@ def _q2_k(c):
 
 
 def _q3_k(c):
-    return _sym(q3_k_quants(c).view(_U8) ^ _U8(0x80), _f16(c, 108) * q3_k_scales(c))  # int8 q + 128: the byte with its sign bit flipped
+    # int8 q + 128: the byte with its sign bit flipped
+    return _sym(q3_k_quants(c).view(_U8) ^ _U8(0x80), _f16(c, 108) * q3_k_scales(c))
 
 
 def _q6_k(c):
@@ -163,14 +163,14 @@ _SCALE_PRODUCTS = {T.Q2_K: _q2_k_scales, T.IQ4_XS: _iq4_xs_scales}
 
 # Bits per code of each type. Fewer bits than a byte are stored as a 4-bit nibble plus one bit plane per bit above
 # (layout in the module docstring): Q4_K 0.75 bytes per weight instead of 1.25, Q5_0 0.6875 instead of 1.0625.
-CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6, T.Q3_K: 4, T.Q2_K: 4,
-             T.IQ4_NL: 8, T.IQ4_XS: 8}
+CODE_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6, T.Q3_K: 4,
+             T.Q2_K: 4, T.IQ4_NL: 8, T.IQ4_XS: 8}
 
 
 # K-quants keep the file's two-level scales: per 16-column group and super-block of 256 values along K, the 16
 # columns' fp16 d, then (Q4_K, Q5_K: uint8) the 16 fp16 dmin, 8 x 16 6-bit scales and 8 x 16 6-bit mins (320 bytes),
-# or (Q6_K, Q3_K: int8) 16 x 16 signed scales (288 bytes). The kernel forms a = d * scale and c = -(dmin * min), the same
-# exact f32 products the dequantizer computes: 0.078 / 0.070 bytes per weight instead of f32's 0.25.
+# or (Q6_K, Q3_K: int8) 16 x 16 signed scales (288 bytes). The kernel forms a = d * scale and c = -(dmin * min), the
+# same exact f32 products the dequantizer computes: 0.078 / 0.070 bytes per weight instead of f32's 0.25.
 KSCALE_TYPES = {T.Q4_K: 320, T.Q5_K: 320, T.Q6_K: 288, T.Q3_K: 288}
 _SIGNED_KSCALES = (T.Q6_K, T.Q3_K)  # int8 scales per 16 values, no offsets
 

@@ -155,7 +155,8 @@ def read_hparams(md: dict, arch: str) -> Hparams:
     n_rot = i("rope.dimension_count", head_dim, hi=head_dim)
     n_rot_swa = i("rope.dimension_count_swa", n_rot if head_dim_swa == head_dim else head_dim_swa, hi=head_dim_swa)
     if n_rot % 2 or n_rot_swa % 2:
-        raise MetadataError(f"{arch}: rope.dimension_count {n_rot} (sliding {n_rot_swa}) must be even: RoPE turns pairs")
+        raise MetadataError(f"{arch}: rope.dimension_count {n_rot} (sliding {n_rot_swa}) must be even: RoPE turns "
+                            "pairs")
     if arch == "llama" and n_rot != head_dim:  # as llama.cpp: partial rotary is another architecture's feature
         raise MetadataError(f"{arch}: invalid rope.dimension_count {n_rot}, expected the head size {head_dim}")
     rope_base = f("rope.freq_base", 10000.0, positive=True)

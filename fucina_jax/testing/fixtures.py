@@ -104,28 +104,31 @@ class RandomBlocks:
     qtype: str
 
 
-# Per type: values and bytes of a block, the standard deviation of value / d when every other byte is uniform
-# random, and its fp16 fields as (byte offset, multiple of d). Q8_0 codes are int8, Q4_0 codes nibbles - 8; Q3_K
+# Per type: the standard deviation of value / d when every other byte of a block is uniform random, and the block's
+# fp16 fields as (byte offset, multiple of d) (block sizes: gguf.GGML_QUANT_SIZES). Q8_0 codes are int8, Q4_0 codes nibbles - 8; Q3_K
 # values are d * (scale - 32) * q with 6-bit scales and q in -4..3; Q2_K values d * sc * q - dmin * m with 4-bit sc
 # and m and q in 0..3, where dmin = 1.5 d centres them (E[sc q] = 1.5 E[m]); IQ4_NL values d * level, IQ4_XS
 # d * (ls - 32) * level, with the 16 non-linear levels and 6-bit ls.
 _U16, _U4, _Q2 = np.arange(64) - 32.0, np.arange(16.0), np.arange(4.0)
 _LEVELS = KVALUES_IQ4NL.astype(np.float64)
 _BLOCKS = {
-    "Q8_0": (32, 34, float(np.sqrt((256**2 - 1) / 12)), ((0, 1.0),)),
-    "Q4_0": (32, 18, float(np.sqrt((16**2 - 1) / 12)), ((0, 1.0),)),
-    "Q3_K": (256, 110, float(np.sqrt(np.mean(_U16**2) * np.mean(np.arange(-4, 4.0) ** 2))), ((108, 1.0),)),
-    "Q2_K": (256, 84, float(np.sqrt(np.mean(_U4**2) * np.mean(_Q2**2) - 3 * np.mean(_U4) ** 2 * np.mean(_Q2)
-                                    + 2.25 * np.mean(_U4**2))), ((80, 1.0), (82, 1.5))),
-    "IQ4_NL": (32, 18, float(np.sqrt(np.mean(_LEVELS**2))), ((0, 1.0),)),
-    "IQ4_XS": (256, 136, float(np.sqrt(np.mean(_LEVELS**2) * np.mean(_U16**2))), ((0, 1.0),)),
+    "Q8_0": (float(np.sqrt((256**2 - 1) / 12)), ((0, 1.0),)),
+    "Q4_0": (float(np.sqrt((16**2 - 1) / 12)), ((0, 1.0),)),
+    "Q3_K": (float(np.sqrt(np.mean(_U16**2) * np.mean(np.arange(-4, 4.0) ** 2))), ((108, 1.0),)),
+    "Q2_K": (float(np.sqrt(np.mean(_U4**2) * np.mean(_Q2**2) - 3 * np.mean(_U4) ** 2 * np.mean(_Q2)
+                           + 2.25 * np.mean(_U4**2))), ((80, 1.0), (82, 1.5))),
+    "IQ4_NL": (float(np.sqrt(np.mean(_LEVELS**2))), ((0, 1.0),)),
+    "IQ4_XS": (float(np.sqrt(np.mean(_LEVELS**2) * np.mean(_U16**2))), ((0, 1.0),)),
 }
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, int], std: float, qtype: str) -> RandomBlocks:
     if qtype not in _BLOCKS:
         raise ValueError(f"random_codes supports {sorted(_BLOCKS)}, not {qtype}")
-    values, size, code_std, fields = _BLOCKS[qtype]
+    import gguf
+
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    code_std, fields = _BLOCKS[qtype]
     rows, cols = shape
     if cols % values:
         raise ValueError(f"{qtype} rows need a multiple of {values} values, got {cols}")
@@ -209,9 +212,9 @@ def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str | None = None
 def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, spec: FixtureSpec | None = None,
                   qtype: str | None = None, random_codes: bool = False) -> str:
     """Write the tiny random model `kind` (a key of FIXTURES, or `spec`) to path; returns the path. `qtype`
-    quantizes the matmul weights (see add_tensors); default F32. random_codes (with qtype Q8_0, Q4_0, Q3_K, Q2_K, IQ4_NL or IQ4_XS) draws the
-    matmul weights and the embedding directly as random blocks (RandomBlocks): for big shapes such as
-    GEMMA3_1B_SHAPE, where quantizing f32 weights would take minutes and gigabytes."""
+    quantizes the matmul weights (see add_tensors); default F32. random_codes (with qtype Q8_0, Q4_0, Q3_K, Q2_K,
+    IQ4_NL or IQ4_XS) draws the matmul weights and the embedding directly as random blocks (RandomBlocks): for big
+    shapes such as GEMMA3_1B_SHAPE, where quantizing f32 weights would take minutes and gigabytes."""
     if random_codes and qtype is None:
         raise ValueError(f"random_codes needs a qtype ({', '.join(_BLOCKS)})")
     import gguf
