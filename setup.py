@@ -2,10 +2,10 @@
 
 - fucina_jax/index/sam.c: the suffix automaton's C core.
 - fucina_jax/gguf_strings.c: a GGUF header's string arrays (the vocabulary) in one C pass.
-- fucina_jax/kernels/qmatmul.cc (+ attention.cc, select.cc, pack.cc): quantized matmul kernels called from jax.jit
-  through the XLA FFI, and loading's packing loops. Compiled against
-  the FFI headers jaxlib ships (a build requirement), for the generic x86-64 baseline: the AVX2 and AVX-512
-  functions carry target attributes and are picked at run time, so one build runs on any x86-64 CPU.
+- fucina_jax/kernels/qmatmul.cc (+ fmatmul.cc, attention.cc, select.cc, pack.cc): quantized and float matmul
+  kernels called from jax.jit through the XLA FFI, and loading's packing loops. Compiled against the FFI headers
+  jaxlib ships (a build requirement), for the generic x86-64 baseline: the AVX2 and AVX-512 functions carry
+  target attributes and are picked at run time, so one build runs on any x86-64 CPU.
 
 A plain CPython extension module rather than a ctypes library: a method call costs ~50 ns instead of the
 ~1 us a ctypes call with NumPy arguments costs, which is what keeps append+suggest within the per-token
@@ -44,8 +44,8 @@ setup(
         ),
         Extension(
             "fucina_jax.kernels._qmatmul",
-            sources=["fucina_jax/kernels/qmatmul.cc", "fucina_jax/kernels/attention.cc", "fucina_jax/kernels/select.cc",
-                     "fucina_jax/kernels/pack.cc"],
+            sources=["fucina_jax/kernels/qmatmul.cc", "fucina_jax/kernels/fmatmul.cc", "fucina_jax/kernels/attention.cc",
+                     "fucina_jax/kernels/select.cc", "fucina_jax/kernels/pack.cc"],
             depends=["fucina_jax/kernels/parallel.h"],
             extra_compile_args=_CXXFLAGS + ["-isystem", _ffi_include()],  # system: no warnings from XLA's headers
             language="c++",

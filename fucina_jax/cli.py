@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context size in tokens (default: min(4096, the model's trained context))")
     p.add_argument("--f32", action="store_true",
                    help="dequantize every weight to f32 and run the pure-JAX reference path (default: quantized "
-                        "weights run through fucina_jax's int8 kernels)")
+                        "weights run through fucina_jax's int8 kernels, F16/BF16/F32 ones through its float kernel)")
     p.add_argument("--cache-type", "-ct", choices=("f32", "f16"), default="f32",
                    help="KV cache element type: f16 halves its memory (llama.cpp's default) (default f32)")
     s = p.add_argument_group("sampling (llama.cpp semantics and defaults)")

@@ -27,11 +27,11 @@ DEFAULT_CTX = 4096
 
 
 def any_packed(params) -> bool:
-    """True when some weight of the pytree is a packed QWeight (the kernels' path)."""
-    from fucina_jax.kernels import QWeight
+    """True when some weight of the pytree is a kernel weight, QWeight or FWeight (the kernels' path)."""
+    from fucina_jax.kernels import KERNEL_WEIGHTS
 
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QWeight))
-    return any(isinstance(x, QWeight) for x in leaves)
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, KERNEL_WEIGHTS))
+    return any(isinstance(x, KERNEL_WEIGHTS) for x in leaves)
 
 
 def _cache_base() -> str:
@@ -251,9 +251,9 @@ def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: 
     """Load a GGUF model; no path loads the embedded default model (Gemma 3 270M Q4_K_M).
 
     Quantized matmul weights of the types the kernels take (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-    IQ4_NL, IQ4_XS) stay quantized and run through fucina_jax.kernels; `f32=True` dequantizes every weight to f32
-    instead: the pure-JAX
-    reference path (also the one to shard over devices, and the fallback where the kernels are not built).
+    IQ4_NL, IQ4_XS) stay quantized, and float ones (F32, F16, BF16) stay in their type, and run through
+    fucina_jax.kernels; `f32=True` dequantizes every weight to f32 instead: the pure-JAX reference path (also the one
+    to shard over devices, and the fallback where the kernels are not built).
     cache_type "f16" stores the KV cache in fp16 (half the memory, llama.cpp's default) instead of f32."""
     if cache_type not in CACHE_DTYPES:
         raise ValueError(f"cache_type {cache_type!r} is not supported; choose one of {', '.join(CACHE_DTYPES)}")

@@ -200,8 +200,8 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh):
 
     if any_packed(params):
         raise MeshError(
-            "quantized-kernel weights cannot be sharded (an FFI call runs on one device); load the model with "
-            "fucina_jax.load(path, f32=True) or fucina_jax.sharding.load_sharded(path, mesh)"
+            "kernel weights (quantized or float) cannot be sharded (an FFI call runs on one device); load the model "
+            "with fucina_jax.load(path, f32=True) or fucina_jax.sharding.load_sharded(path, mesh)"
         )
     return jax.device_put(params, param_shardings(params, cfg, mesh))
 

@@ -27,7 +27,7 @@ def compare(args):
         name, _, rest = arg.partition("=")
         path, _, data = rest.rpartition(":")
         if path not in models:  # one reference model per file: its compiled steps serve every mesh
-            models[path] = fucina_jax.load(path)
+            models[path] = fucina_jax.load(path, f32=True)
         model = models[path]
         mesh = sharding.make_mesh(N_DEVICES, data=int(data))
         sharded = sharding.shard_model(model, mesh)
@@ -47,7 +47,7 @@ def compare(args):
 
 
 def generate(path):
-    model = fucina_jax.load(path)
+    model = fucina_jax.load(path, f32=True)
     sharded = sharding.shard_model(model, sharding.make_mesh(N_DEVICES))
     ids = [int(x) for x in np.random.default_rng(1).integers(0, 260, 9)]
     out = {}
@@ -65,7 +65,7 @@ def spec(path):
     from fucina_jax.sampling import SamplerConfig
     from fucina_jax.spec import SpecOptions, generate_batched, generate_speculative
 
-    model = fucina_jax.load(path)
+    model = fucina_jax.load(path, f32=True)
     rng = np.random.default_rng(2)
     phrase = [int(x) for x in rng.integers(0, 260, 5)]
     prompts = [phrase * 3, [int(x) for x in rng.integers(0, 260, 9)], phrase[:3] * 4 + [7], [11, 12, 13]]

@@ -5,7 +5,9 @@
   (fma emulated in float64), for every type and every instruction set the CPU has (AVX-512 VNNI, AVX2, scalar);
 - each output row is bitwise independent of the other rows in the call;
 - the dispatch falls back when told to (env var in a fresh process, set_isa in this one);
-- embedding rows gathered from the packed codes == dequantized rows.
+- embedding rows gathered from the packed codes == dequantized rows;
+- the float kernel (F32, F16, BF16 weights): the file's values, kept in the file's type; kernel == a NumPy statement
+  of its fixed float sequence, bit for bit, on every instruction set and for every row count.
 """
 
 from __future__ import annotations
@@ -189,6 +191,111 @@ def test_take_rows_equals_dequantized_rows(qtype):
     got = np.asarray(jax.jit(kernels.take_rows)(w, jnp.asarray(ids)))
     want = dequantize(raw, qtype, (n, k))[ids]
     np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The float kernel (F32, F16, BF16 weights as the file stores them)
+# ---------------------------------------------------------------------------------------------------------------------
+
+FLOATS = [T.F32, T.F16, T.BF16]
+
+
+def float_tensor(qtype, n: int, k: int, seed: int) -> np.ndarray:
+    """Raw GGUF bytes of a random [n, k] float tensor (values of both signs, some exact zeros)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0, :5] = 0.0
+    return w.astype(kernels.FLOAT_TYPES[qtype]).view(np.uint8).reshape(-1)
+
+
+def float_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """fmatmul.cc's sequence: 16 partial sums P[p] = fma(w[k], x[k], P[p]) over k = p, p + 16, ... (fma emulated in
+    f64), then P[p] += P[p + h] for h = 8, 4, 2, 1."""
+    M, K = x.shape
+    P = np.zeros((M, w.shape[0], 16), np.float32)
+    wf = w.astype(np.float32)
+    for k in range(0, K, 16):
+        P = fma(wf[None, :, k:k + 16], x[:, None, k:k + 16], P)
+    for h in (8, 4, 2, 1):
+        P[..., :h] = P[..., :h] + P[..., h:2 * h]
+    return P[..., 0]
+
+
+def fweight(raw, qtype, shape) -> kernels.FWeight:
+    return jax.tree_util.tree_map(jnp.asarray, kernels.pack_weight(raw, qtype, shape))
+
+
+@pytest.mark.parametrize("qtype", FLOATS, ids=lambda t: t.name)
+def test_float_weights_are_the_file_values(qtype):
+    n, k = 37, 80
+    raw = float_tensor(qtype, n, k, seed=20)
+    w = kernels.pack_weight(raw, qtype, (n, k))
+    assert isinstance(w, kernels.FWeight) and w.w.dtype == kernels.FLOAT_TYPES[qtype] and w.shape == (n, k)
+    assert w.nbytes == raw.nbytes and w.w.ctypes.data % 64 == 0  # the file's bytes, aligned for a zero-copy put
+    want = dequantize(raw, qtype, (n, k))
+    assert np.array_equal(np.asarray(w.w, np.float32).view(np.uint32), want.view(np.uint32))
+    ids = np.array([[0, 17, n - 1], [5, 5, 33]], np.int32)
+    got = np.asarray(jax.jit(kernels.take_rows)(fweight(raw, qtype, (n, k)), jnp.asarray(ids)))
+    np.testing.assert_array_equal(got, want[ids])
+
+
+@pytest.mark.parametrize("qtype", FLOATS, ids=lambda t: t.name)
+def test_float_kernel_equals_the_reference_on_every_isa(qtype, each_isa):
+    """n = 37: column tiles of 4 and 2 with a tail; k = 80: a multiple of 16, not of 32; m up to 17: row tiles of 3
+    with both tails. Each row is computed alone (the reference has no batch), so this is row independence too."""
+    n, k = 37, 80
+    raw = float_tensor(qtype, n, k, seed=21)
+    w = fweight(raw, qtype, (n, k))
+    rng = np.random.default_rng(22)
+    x = (rng.standard_normal((17, k)) * rng.uniform(0.1, 10, (17, 1))).astype(np.float32)
+    x[3, :16] = -0.0
+    want = float_reference(x, dequantize(raw, qtype, (n, k)))
+    for isa in each_isa:
+        kernels.set_isa(isa)
+        for m in (1, 2, 3, 4, 5, 8, 17):
+            for start in (0, 17 - m):
+                got = np.asarray(_qlinear(jnp.asarray(x[start:start + m]), w))
+                assert got.shape == (m, n)
+                assert np.array_equal(got.view(np.uint32), want[start:start + m].view(np.uint32)), (isa, m, start)
+
+
+def test_float_kernel_is_the_f32_product():
+    n, k = 70, 1024
+    raw = float_tensor(T.BF16, n, k, seed=23)
+    x = np.random.default_rng(24).standard_normal((5, k)).astype(np.float32)
+    w64 = dequantize(raw, T.BF16, (n, k)).astype(np.float64)
+    got = np.asarray(_qlinear(jnp.asarray(x), fweight(raw, T.BF16, (n, k))))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w64.T, rtol=1e-5, atol=1e-4)
+
+
+def test_float_kernel_non_finite_input_poisons_only_its_row():
+    n, k = 9, 64
+    w = fweight(float_tensor(T.F16, n, k, seed=25), T.F16, (n, k))
+    x = np.random.default_rng(26).standard_normal((3, k)).astype(np.float32)
+    x[1, 40] = np.nan
+    got = np.asarray(_qlinear(jnp.asarray(x), w))
+    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
+
+
+def test_float_weights_fuse_and_keep_their_bits():
+    """concat_weights of F16 parts: one call whose columns are the parts' columns, bit for bit; parts of another
+    type or kind are not fused."""
+    k = 48
+    parts = [kernels.pack_weight(float_tensor(T.F16, n, k, seed=30 + n), T.F16, (n, k)) for n in (8, 3, 5)]
+    fused = kernels.concat_weights(parts)
+    assert fused.splits == (8, 3, 5) and fused.shape == (16, k) and fused.w.ctypes.data % 64 == 0
+    x = jnp.asarray(np.random.default_rng(27).standard_normal((4, k)).astype(np.float32))
+    whole = np.asarray(_qlinear(x, jax.tree_util.tree_map(jnp.asarray, fused)))
+    alone = np.concatenate([np.asarray(_qlinear(x, jax.tree_util.tree_map(jnp.asarray, p))) for p in parts], axis=1)
+    np.testing.assert_array_equal(whole, alone)
+    bf = kernels.pack_weight(float_tensor(T.BF16, 8, k, seed=31), T.BF16, (8, k))
+    q8 = kernels.pack_weight(random_tensor(T.Q8_0, 16, 64), T.Q8_0, (16, 64))
+    assert kernels.concat_weights([parts[0], bf]) is None
+    assert kernels.concat_weights([q8, kernels.pack_weight(float_tensor(T.F16, 16, 64, 32), T.F16, (16, 64))]) is None
+
+
+def test_float_packable_needs_whole_16_blocks():
+    assert kernels.packable(T.F16, (8, 48)) and kernels.packable(T.BF16, (8, 16)) and kernels.packable(T.F32, (3, 32))
+    assert not kernels.packable(T.F16, (8, 40)) and not kernels.packable(T.F16, (48,))
 
 
 def test_pack_layout_groups_columns_in_lanes():

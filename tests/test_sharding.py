@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+import fucina_jax
 from fucina_jax import sharding
 from fucina_jax.gguf_io import open_gguf
 from fucina_jax.models import architecture
@@ -166,7 +167,7 @@ def test_mesh_errors():
 
 def test_one_device_mesh_is_the_plain_model(fixture_path, load_model):
     """A 1-device ShardedModel is the plain model: same logits bits, same cache layout."""
-    model = load_model(fixture_path("qwen3"))
+    model = fucina_jax.load(fixture_path("qwen3"), f32=True)  # the f32 path: kernel weights do not shard
     one = sharding.shard_model(model, sharding.make_mesh(1))
     ids = np.random.default_rng(0).integers(0, 260, 20).astype(np.int32)
     np.testing.assert_array_equal(one.logits(ids), model.logits(ids))

@@ -10,6 +10,10 @@ rows from the packed codes, value for value the f32 path's dequantized rows.
 Everything here is a pure function usable under jax.jit; a QWeight is a pytree (its arrays are leaves, its shape
 facts static). The kernels pick AVX-512 VNNI, AVX2 or scalar code at run time (`isa()`, `set_isa()`, or the
 FUCINA_KERNEL_ISA environment variable), all bitwise identical.
+
+Layers a file stores as floats (F32, F16, BF16) become an `FWeight`: the file's values in the file's type, row-major,
+multiplied by f32 activations in `fucina_fmatmul` (fmatmul.cc), one fixed float sequence per output like the
+quantized kernels, so they too give verify rows bitwise equal to decode rows.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gguf import GGMLQuantizationType
+
 from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, pack_tensor
 
-__all__ = ["PACKED_TYPES", "QWeight", "argmax", "attention", "available", "concat_weights", "isa", "pack_weight",
+__all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention", "available", "concat_weights", "isa", "pack_weight",
            "packable", "norm_rope", "qlinear", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows",
            "top_k"]
 
 TARGET = "fucina_qmatmul"
+FLOAT_TARGET = "fucina_fmatmul"
 ATTENTION_TARGET = "fucina_attention"
 RMS_NORM_TARGET = "fucina_rms_norm"
 NORM_ROPE_TARGET = "fucina_norm_rope"
@@ -100,19 +107,77 @@ class QWeight:
         return int(self.q.size + self.a.size * self.a.dtype.itemsize + self.c.size * self.c.dtype.itemsize)
 
 
-def pack_weight(raw: np.ndarray, qtype, shape: tuple[int, int], done=None) -> QWeight:
-    """Raw GGUF bytes of a [n, k] tensor of a type in PACKED_TYPES -> QWeight with NumPy leaves, 64-byte aligned so
-    jax.device_put adopts them without a copy. `done` as in pack.pack_tensor."""
-    q, a, c, bs = pack_tensor(raw, qtype, tuple(shape), done=done)
-    return QWeight(q=q, a=a, c=c, n=int(shape[0]), k=int(shape[1]), bs=bs)
+_T = GGMLQuantizationType
+# GGUF float types the float kernel reads as they are stored, and their NumPy types.
+FLOAT_TYPES = {_T.F32: np.dtype("<f4"), _T.F16: np.dtype("<f2"), _T.BF16: np.dtype(jnp.bfloat16)}
+FLOAT_K = 16  # the float kernel's k must be a multiple of this (its 16 partial sums, fmatmul.cc)
 
 
-def concat_weights(ws: list[QWeight]) -> QWeight | None:
-    """Weights that read the same input (Q, K, V; gate, up) as one QWeight whose outputs are the parts' outputs side
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FWeight:
+    """A [n, k] weight stored as floats (f32, f16 or bf16), row-major [out, in] as in the GGUF file."""
+
+    w: jax.Array
+    splits: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # see concat_weights
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)
+
+    @property
+    def n(self) -> int:
+        return self.w.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.w.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.w.size * self.w.dtype.itemsize)
+
+
+# The weights the kernels multiply by (isinstance checks take the tuple).
+KERNEL_WEIGHTS = (QWeight, FWeight)
+
+
+def pack_weight(raw: np.ndarray, qtype, shape: tuple[int, int], done=None) -> QWeight | FWeight:
+    """Raw GGUF bytes of a [n, k] tensor of a type in PACKED_TYPES (-> QWeight) or FLOAT_TYPES (-> FWeight, the same
+    values in the same type) with NumPy leaves, 64-byte aligned so jax.device_put adopts them without a copy. `done`
+    as in pack.pack_tensor."""
+    n, k = int(shape[0]), int(shape[1])
+    if qtype in FLOAT_TYPES:
+        src = np.frombuffer(raw, np.uint8).reshape(n, -1)
+        out = aligned_empty(src.shape, np.uint8)
+        step = max(1, (4 << 20) // max(1, src.shape[1]))  # ~4 MB a chunk: the file's pages go as they are copied
+        for n0 in range(0, n, step):
+            np.copyto(out[n0:n0 + step], src[n0:n0 + step])
+            if done is not None:
+                done(src[n0:n0 + step])
+        return FWeight(w=out.view(FLOAT_TYPES[qtype]).reshape(n, k))
+    q, a, c, bs = pack_tensor(raw, qtype, (n, k), done=done)
+    return QWeight(q=q, a=a, c=c, n=n, k=k, bs=bs)
+
+
+def concat_weights(ws: list[QWeight | FWeight]) -> QWeight | FWeight | None:
+    """Weights that read the same input (Q, K, V; gate, up) as one weight whose outputs are the parts' outputs side
     by side (`splits` = the parts' n): one kernel call instead of several, each column computed exactly as before.
-    None when the parts differ in layout (k, bs, affine) or a part's columns do not fill whole 16-column groups.
+    None when the parts differ in kind or layout (k, bs, affine, float type) or a QWeight part's columns do not fill
+    whole 16-column groups.
     NumPy parts (the loader fuses before placing) give 64-byte aligned NumPy leaves, like pack_weight."""
     first = ws[0]
+    if isinstance(first, FWeight):
+        if any(not isinstance(w, FWeight) or w.k != first.k or w.w.dtype != first.w.dtype for w in ws):
+            return None
+        parts = [w.w for w in ws]
+        if isinstance(first.w, jax.Array):
+            w = jnp.concatenate(parts)
+        else:
+            w = np.concatenate(parts, out=aligned_empty((sum(p.shape[0] for p in parts), first.k), first.w.dtype))
+        return FWeight(w=w, splits=tuple(p.n for p in ws))
+    if any(not isinstance(w, QWeight) for w in ws):
+        return None
     affine = first.c.size > 0
     if any(w.k != first.k or w.bs != first.bs or (w.c.size > 0) != affine or w.a.dtype != first.a.dtype
            or w.bits != first.bits or w.n % LANES for w in ws):
@@ -128,12 +193,20 @@ def concat_weights(ws: list[QWeight]) -> QWeight | None:
 
 
 def packable(qtype, shape) -> bool:
-    return qtype in PACKED_TYPES and len(shape) == 2 and shape[1] % QBLOCK == 0 and available()
+    """True when pack_weight takes a [n, k] tensor of this type (the kernels are built, and k fits their blocks)."""
+    if len(shape) != 2 or not available():
+        return False
+    return (qtype in PACKED_TYPES and shape[1] % QBLOCK == 0) or (qtype in FLOAT_TYPES and shape[1] % FLOAT_K == 0)
 
 
-def qlinear(x: jax.Array, w: QWeight) -> jax.Array:
-    """x [..., k] @ w^T -> [..., n], through the quantized kernel."""
+def qlinear(x: jax.Array, w: QWeight | FWeight) -> jax.Array:
+    """x [..., k] @ w^T -> [..., n], through the quantized kernel (or the float kernel for an FWeight)."""
     _register()
+    if isinstance(w, FWeight):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, w.k).astype(jnp.float32)
+        y = jax.ffi.ffi_call(FLOAT_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(x2, w.w)
+        return y.reshape(*lead, w.n)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).astype(jnp.float32)
     n_pad = w.q.shape[0] * LANES
@@ -145,8 +218,10 @@ def qlinear(x: jax.Array, w: QWeight) -> jax.Array:
     return y.reshape(*lead, w.n)
 
 
-def take_rows(w: QWeight, ids: jax.Array) -> jax.Array:
+def take_rows(w: QWeight | FWeight, ids: jax.Array) -> jax.Array:
     """Rows ids [...] of the weight as f32 [..., k] (an embedding lookup), dequantized from the packed codes."""
+    if isinstance(w, FWeight):
+        return w.w[ids].astype(jnp.float32)  # f16 and bf16 widen to f32 exactly
     G, nb, bits = w.q.shape[0], w.k // QBLOCK, w.bits
     g, lane = ids // LANES, ids % LANES
     blocks = w.q.reshape(G, nb, 64 * bits)

@@ -705,6 +705,10 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 }  // namespace
 
+namespace fucina {
+int kernel_isa() { return current_isa(); }  // for fmatmul.cc
+}  // namespace fucina
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -719,6 +723,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
 // Python module: the handler capsules and the instruction-set switch (tests force the fallbacks with it).
 // ------------------------------------------------------------------------------------------------------------------
 
+extern "C" XLA_FFI_Error* FucinaFMatmul(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaAttention(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaRmsNorm(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaNormRope(XLA_FFI_CallFrame* call_frame);
@@ -733,6 +738,7 @@ extern "C" PyObject* fucina_py_decode_codes(PyObject*, PyObject* args);
 static PyObject* py_handlers(PyObject*, PyObject*) {
   const std::pair<const char*, void*> handlers[] = {
       {"qmatmul", reinterpret_cast<void*>(&FucinaQMatmul)},
+      {"fmatmul", reinterpret_cast<void*>(&FucinaFMatmul)},
       {"attention", reinterpret_cast<void*>(&FucinaAttention)},
       {"rms_norm", reinterpret_cast<void*>(&FucinaRmsNorm)},
       {"norm_rope", reinterpret_cast<void*>(&FucinaNormRope)},

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fucina_jax.kernels import QWeight, qlinear, take_rows
+from fucina_jax.kernels import KERNEL_WEIGHTS, FWeight, QWeight, qlinear, take_rows
 from fucina_jax.kernels import attention as kernels_attention
 from fucina_jax.kernels import norm_rope as kernels_norm_rope
 from fucina_jax.kernels import residual_norm as kernels_residual_norm
@@ -203,10 +203,10 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": gelu_tanh}
 
 
-def linear(x: jax.Array, w: jax.Array | QWeight) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QWeight | FWeight) -> jax.Array:
     """x [..., In] @ w^T with w stored (Out, In) as in GGUF/PyTorch: an f32 array (the reference path) or a packed
-    quantized QWeight (the kernels' path, fucina_jax.kernels)."""
-    if isinstance(w, QWeight):
+    quantized QWeight or float FWeight (the kernels' path, fucina_jax.kernels)."""
+    if isinstance(w, KERNEL_WEIGHTS):
         return qlinear(x, w)
     return jnp.einsum("...i,oi->...o", x, w)
 
@@ -216,7 +216,7 @@ def glu_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: 
     return linear(ACTIVATIONS[act](linear(x, gate)) * linear(x, up), down)
 
 
-# Projections that read the same input; on the kernels' path a layer may hold them as one fused QWeight under the
+# Projections that read the same input; on the kernels' path a layer may hold them as one fused weight under the
 # joined key (see fuse_projections), so one kernel call computes all of them.
 FUSIBLE = (("attn_q", "attn_k", "attn_v"), ("attn_q", "attn_k"), ("ffn_gate", "ffn_up"))
 
@@ -234,13 +234,13 @@ def project(x: jax.Array, p: dict, keys: tuple[str, ...]) -> list[jax.Array]:
 
 
 def fuse_projections(layer: dict, writes_kv: bool = True) -> dict:
-    """A layer's params with each FUSIBLE group of packed weights replaced by one fused QWeight where the kernels
+    """A layer's params with each FUSIBLE group of kernel weights replaced by one fused weight where the kernels
     allow it (same layout); Q/K/V only on layers that write the KV cache (the others use Q alone)."""
     from fucina_jax.kernels import concat_weights
 
     out = dict(layer)
     for keys in FUSIBLE:
-        if (keys[0] == "attn_q" and not writes_kv) or not all(isinstance(out.get(k), QWeight) for k in keys):
+        if (keys[0] == "attn_q" and not writes_kv) or not all(isinstance(out.get(k), KERNEL_WEIGHTS) for k in keys):
             continue
         fused = concat_weights([out[k] for k in keys])
         if fused is not None:
@@ -338,7 +338,7 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
 
 def embed(params: dict, tokens: jax.Array, cfg) -> jax.Array:
     w = params["token_embd"]
-    rows = take_rows(w, tokens) if isinstance(w, QWeight) else w[tokens]
+    rows = take_rows(w, tokens) if isinstance(w, KERNEL_WEIGHTS) else w[tokens]
     return rows * jnp.float32(cfg.embed_scale)
 
 

@@ -7,8 +7,9 @@ from fucina_jax.testing.fixtures import (
     byte_level_vocab,
     smollm2_path,
     write_fixture,
+    write_float_copy,
 )
 from fucina_jax.testing.gemma4 import GEMMA4_VARIANTS, write_gemma4_fixture
 
 __all__ = ["FIXTURES", "GEMMA3_1B_SHAPE", "FixtureSpec", "GEMMA4_VARIANTS", "byte_level_vocab", "smollm2_path",
-           "write_fixture", "write_gemma4_fixture"]
+           "write_fixture", "write_float_copy", "write_gemma4_fixture"]

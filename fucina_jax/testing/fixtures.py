@@ -16,7 +16,8 @@ import numpy as np
 
 from fucina_jax.quants import KVALUES_IQ4NL
 
-__all__ = ["FixtureSpec", "FIXTURES", "GEMMA3_1B_SHAPE", "write_fixture", "byte_level_vocab", "smollm2_path"]
+__all__ = ["FixtureSpec", "FIXTURES", "GEMMA3_1B_SHAPE", "write_fixture", "write_float_copy", "byte_level_vocab",
+           "smollm2_path"]
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,41 @@ def write_fixture(path: str | os.PathLike, kind: str = "qwen3", seed: int = 0, s
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_float_copy(src: str | os.PathLike, dst: str | os.PathLike, qtype: str = "F16") -> str:
+    """Copy the GGUF file src to dst with every 2-D matmul weight (loading.PACKED_KEYS) dequantized and stored as
+    `qtype` (F16, BF16 or F32), as small models often ship; the rest (metadata, norms) byte for byte. A real model in
+    float form without a download: the values are src's, rounded to the type. Returns dst."""
+    import gguf
+
+    from fucina_jax.models.loading import PACKED_KEYS
+    from fucina_jax.quants import dequantize
+
+    t_out = gguf.GGMLQuantizationType[qtype]
+    if t_out not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.F32):
+        raise ValueError(f"write_float_copy writes F16, BF16 or F32, not {qtype}")
+    reader = gguf.GGUFReader(os.fspath(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(os.fspath(dst), arch)
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":  # the writer adds these itself
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vtype, sub)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))  # NumPy order
+        if len(shape) == 2 and t.name.split(".")[-2] in PACKED_KEYS:
+            values = dequantize(np.ascontiguousarray(t.data).reshape(-1), t.tensor_type, shape)
+            w.add_tensor(t.name, gguf.quants.quantize(values, t_out), raw_dtype=t_out)
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(dst)
 
 
 def smollm2_path() -> str:
