@@ -112,7 +112,7 @@ def main() -> int:
 
     path = args.model or default_model_path()
     gguf_mb = os.path.getsize(path) / 2**20
-    print(f"model: {path} ({gguf_mb:.0f} MiB)   path: {'f32 reference' if args.f32 else 'quantized kernels'}")
+    print(f"model: {path} ({gguf_mb:.0f} MiB)   path: {'f32 reference' if args.f32 else 'kernels'}")
     try:
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     except OSError:
