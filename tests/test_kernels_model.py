@@ -160,6 +160,27 @@ def test_float_files_run_on_the_float_kernel(quantized, kind, qtype):
     assert np.abs(a - b).max() <= 1e-5 * (b.max() - b.min())
 
 
+def test_real_model_in_bf16_runs_on_the_float_kernel(tmp_path_factory, smollm2_path):
+    """SmolLM2-135M-Instruct with its matmul weights written as BF16 (testing.write_float_copy; 271 MB): real weights
+    on the float kernel, at the file's size, verify rows bitwise the decode rows, the f32 path's logits to 1e-5 of
+    the range."""
+    from fucina_jax.testing import write_float_copy
+
+    path = write_float_copy(smollm2_path, tmp_path_factory.mktemp("bf16") / "smollm2-bf16.gguf", "BF16")
+    model = fucina_jax.load(path)
+    ws = kernel_weights(model)
+    assert model.config.kernels and all(isinstance(w, kernels.FWeight) and w.w.dtype == jnp.bfloat16 for w in ws)
+    prompt = model.tokenizer.encode("The history of the printing press begins in")
+    follow = model.tokenizer.encode(" Mainz, where Johannes Gutenberg built a press that used movable type")
+    assert decode_vs_verify(model, prompt, (follow * 2)[:16]) == 0.0
+    a, b = model.logits(prompt + follow), fucina_jax.load(path, f32=True).logits(prompt + follow)
+    top2 = np.sort(b, axis=-1)[:, -2:]
+    apart = top2[:, 1] - top2[:, 0] > 1e-3  # all but exact near-ties (the paths differ by ~1e-5)
+    assert apart.mean() > 0.9
+    np.testing.assert_array_equal(a.argmax(-1)[apart], b.argmax(-1)[apart])
+    assert np.abs(a - b).max() <= 1e-5 * (b.max() - b.min())
+
+
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
 def test_float_files_agree_with_llamacpp(quantized, llama_ref, kind, qtype):

@@ -142,7 +142,7 @@ def attention(
 
     Online softmax over cache chunks in a loop with data-dependent bounds (no recompile as the context grows); a
     capacity that is not a multiple of 16 (init_cache never makes one) takes a one-shot path over all S slots.
-    This is the pure-JAX reference; models on the quantized kernels use kernels.attention (same contract, in C,
+    This is the pure-JAX reference; models on the kernels use kernels.attention (same contract, in C,
     row-exact).
     """
     B, T, H, Dh = q.shape
