@@ -181,6 +181,21 @@ def test_real_model_in_bf16_runs_on_the_float_kernel(tmp_path_factory, smollm2_p
     assert np.abs(a - b).max() <= 1e-5 * (b.max() - b.min())
 
 
+@pytest.mark.parametrize("kind, qtype, kind_of_weight", [("gemma4-e4b", "Q8_0", kernels.QWeight),
+                                                          ("gemma4-e2b", "BF16", kernels.FWeight)])
+def test_gemma4_per_layer_table_stays_in_the_files_type(quantized, kind, qtype, kind_of_weight):
+    """Gemma 4's per-layer embedding table ([V, layers x 256]: 9.4 GB in f32 for E2B) is read in place, as the
+    file stores it, and gives the logits the f32 table gives, bit for bit."""
+    import dataclasses
+
+    fast, ref, _ = quantized(kind, qtype)
+    table = fast.params["per_layer_token_embd"]
+    assert isinstance(table, kind_of_weight) and table.nbytes < ref.params["per_layer_token_embd"].nbytes
+    f32_table = dataclasses.replace(fast, params={**fast.params, "per_layer_token_embd":
+                                                  ref.params["per_layer_token_embd"]})
+    np.testing.assert_array_equal(fast.logits(IDS), f32_table.logits(IDS))
+
+
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
 def test_float_files_agree_with_llamacpp(quantized, llama_ref, kind, qtype):

@@ -40,6 +40,7 @@ from fucina_jax.models.layers import (
     embed,
     ffn_block,
     linear,
+    lookup,
     moe_ffn,
     rms_norm,
     rope_inv_freq,
@@ -258,7 +259,7 @@ def per_layer_inputs(params: dict, tokens, e, cfg: ModelConfig):
     (only through eps), while sqrt(P) sets the balance between the two summed parts and does matter."""
     L, P = cfg.n_layers, cfg.ple_dim
     lead = tokens.shape
-    tok = params["per_layer_token_embd"][tokens].reshape(*lead, L, P) * jnp.float32(math.sqrt(P))
+    tok = lookup(params["per_layer_token_embd"], tokens).reshape(*lead, L, P) * jnp.float32(math.sqrt(P))
     proj = linear(e, params["per_layer_model_proj"]) * jnp.float32(1.0 / math.sqrt(cfg.d_model))
     proj = rms_norm(proj.reshape(*lead, L, P), params["per_layer_proj_norm"], cfg.rms_eps, cfg.kernels)
     return (proj + tok) * jnp.float32(1.0 / math.sqrt(2.0))

@@ -336,10 +336,14 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
     return linear(a.reshape(B, T, H * Dh), p["attn_output"])
 
 
+def lookup(w: jax.Array | QWeight | FWeight, tokens: jax.Array) -> jax.Array:
+    """Rows `tokens` of an embedding table as f32 [..., k]: an f32 array, or a kernel weight read in place (the
+    same values: kernels.take_rows)."""
+    return take_rows(w, tokens) if isinstance(w, KERNEL_WEIGHTS) else w[tokens]
+
+
 def embed(params: dict, tokens: jax.Array, cfg) -> jax.Array:
-    w = params["token_embd"]
-    rows = take_rows(w, tokens) if isinstance(w, KERNEL_WEIGHTS) else w[tokens]
-    return rows * jnp.float32(cfg.embed_scale)
+    return lookup(params["token_embd"], tokens) * jnp.float32(cfg.embed_scale)
 
 
 def unembed(params: dict, h: jax.Array, cfg) -> jax.Array:
