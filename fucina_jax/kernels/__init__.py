@@ -23,14 +23,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from gguf import GGMLQuantizationType
 
 from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, pack_tensor
 
-__all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention", "available", "concat_weights", "isa", "pack_weight",
-           "packable", "norm_rope", "qlinear", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows",
-           "top_k"]
+__all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention", "available",
+           "concat_weights", "isa", "pack_weight", "packable", "norm_rope", "qlinear", "residual_norm", "rms_norm",
+           "set_isa", "supported_isas", "take_rows", "top_k"]
 
 TARGET = "fucina_qmatmul"
 FLOAT_TARGET = "fucina_fmatmul"
@@ -202,13 +201,11 @@ def packable(qtype, shape) -> bool:
 def qlinear(x: jax.Array, w: QWeight | FWeight) -> jax.Array:
     """x [..., k] @ w^T -> [..., n], through the quantized kernel (or the float kernel for an FWeight)."""
     _register()
-    if isinstance(w, FWeight):
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, w.k).astype(jnp.float32)
-        y = jax.ffi.ffi_call(FLOAT_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(x2, w.w)
-        return y.reshape(*lead, w.n)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).astype(jnp.float32)
+    if isinstance(w, FWeight):
+        y = jax.ffi.ffi_call(FLOAT_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(x2, w.w)
+        return y.reshape(*lead, w.n)
     n_pad = w.q.shape[0] * LANES
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n_pad), jnp.float32))(
         x2, w.q, w.a, w.c, bs=np.int64(w.bs)
