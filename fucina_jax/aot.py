@@ -262,16 +262,13 @@ def _platform() -> bytes:
 def _environment() -> bytes:
     """What, beyond a call's own arguments, decides the lowered module: fucina_jax's files and JAX's options (and,
     through _platform, the rest)."""
-    h = hashlib.sha256(_platform())
+    h = hashlib.sha256(_platform() + _native())
     root = os.path.dirname(os.path.abspath(__file__))
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(filenames):
             path = os.path.join(dirpath, name)
-            if name.endswith(".so"):  # a built extension (6 MB): its size and time stand for it
-                st = os.stat(path)
-                h.update(f"{name}\0{st.st_size}:{st.st_mtime_ns}".encode())
-            elif name.endswith((".py", ".c", ".cc", ".h", ".json")):
+            if name.endswith((".py", ".c", ".cc", ".h", ".json")):
                 with open(path, "rb") as f:
                     h.update(name.encode() + b"\0" + f.read())
     options = sorted((k, repr(v)) for k, v in jax.config.values.items() if not any(w in k for w in _NEUTRAL_OPTIONS))
@@ -302,10 +299,25 @@ def _key_path(name: str, key) -> str | None:
     return os.path.join(_store(), f"{_short(name)}-{_env_tag()}-{digest}.key")
 
 
+@functools.cache
+def _native() -> bytes:
+    """The built extensions (size and time of each .so): a program calls the kernels' FFI handlers, so one compiled
+    against another build of them is not reused (a rebuilt kernel library with the same module text crashed in a
+    stale program)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    stats = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(f for f in filenames if f.endswith(".so")):
+            st = os.stat(os.path.join(dirpath, name))
+            stats.append(f"{name}\0{st.st_size}:{st.st_mtime_ns}")
+    return "\n".join(stats).encode()
+
+
 def _program_path(name: str, lowered) -> str:
-    """`<function>-<fingerprint>.bin`: the executable of this lowered module (its text carries no source
-    locations, so an edit that leaves the module alone finds its program)."""
-    digest = hashlib.sha256(_platform() + lowered.as_text().encode()).hexdigest()[:32]
+    """`<function>-<fingerprint>.bin`: the executable of this lowered module and kernel build (the module text
+    carries no source locations, so an edit that leaves the module alone finds its program)."""
+    digest = hashlib.sha256(_platform() + _native() + lowered.as_text().encode()).hexdigest()[:32]
     return os.path.join(_store(), f"{_short(name)}-{digest}.bin")
 
 

@@ -203,6 +203,39 @@ def test_take_rows_equals_dequantized_rows(qtype):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q5_1], ids=lambda t: t.name)
+def test_expert_rows_are_the_experts_own_products(qtype, each_isa):
+    """expert_linear over a packed stack [E, n, k]: row (t, u) is bitwise qlinear(x[t] or x[t, u], expert ids[t, u]),
+    whatever the other rows' experts; ids repeat an expert within a token and across tokens, and skip some."""
+    E, n, k = 5, 32, 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    raw = random_tensor(qtype, E * n, k, seed=40)
+    stack = jax.tree_util.tree_map(jnp.asarray, kernels.pack_experts(raw, qtype, (E, n, k)))
+    assert stack.experts == E and stack.n == E * n
+    rng = np.random.default_rng(41)
+    ids = np.array([[0, 3, 3], [4, 0, 1], [1, 1, 4], [3, 0, 4]], np.int32)  # expert 2 unused
+    T_, U = ids.shape
+    x_tok = rng.standard_normal((T_, k)).astype(np.float32)
+    x_own = rng.standard_normal((T_, U, k)).astype(np.float32)
+    parts = [qweight(raw.reshape(E, -1)[e], qtype, (n, k)) for e in range(E)]
+    for isa in each_isa:
+        kernels.set_isa(isa)
+        shared = np.asarray(jax.jit(kernels.expert_linear)(jnp.asarray(x_tok), jnp.asarray(ids), stack))
+        own = np.asarray(jax.jit(kernels.expert_linear)(jnp.asarray(x_own), jnp.asarray(ids), stack))
+        assert shared.shape == own.shape == (T_, U, n)
+        for t in range(T_):
+            for u in range(U):
+                w = parts[ids[t, u]]
+                np.testing.assert_array_equal(shared[t, u], np.asarray(_qlinear(jnp.asarray(x_tok[t:t + 1]), w))[0])
+                np.testing.assert_array_equal(own[t, u], np.asarray(_qlinear(jnp.asarray(x_own[t, u:u + 1]), w))[0])
+
+
+def test_expert_ids_out_of_range_are_an_error():
+    stack = jax.tree_util.tree_map(jnp.asarray, kernels.pack_experts(random_tensor(T.Q8_0, 64, 32), T.Q8_0,
+                                                                      (2, 32, 32)))
+    with pytest.raises(Exception, match="expert id out of range"):
+        np.asarray(kernels.expert_linear(jnp.ones((1, 32)), jnp.asarray([[0, 2]], jnp.int32), stack))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The float kernel (F32, F16, BF16 weights as the file stores them)
 # ---------------------------------------------------------------------------------------------------------------------

@@ -28,10 +28,11 @@ from gguf import GGMLQuantizationType
 from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, pack_tensor
 
 __all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention", "available",
-           "concat_weights", "isa", "pack_weight", "packable", "norm_rope", "qlinear", "residual_norm", "rms_norm",
+           "concat_weights", "expert_linear", "isa", "pack_experts", "pack_weight", "packable", "norm_rope", "qlinear", "residual_norm", "rms_norm",
            "set_isa", "supported_isas", "take_rows", "top_k"]
 
 TARGET = "fucina_qmatmul"
+EXPERTS_TARGET = "fucina_qmatmul_experts"
 FLOAT_TARGET = "fucina_fmatmul"
 ATTENTION_TARGET = "fucina_attention"
 RMS_NORM_TARGET = "fucina_rms_norm"
@@ -91,6 +92,7 @@ class QWeight:
     k: int = dataclasses.field(metadata=dict(static=True))
     bs: int = dataclasses.field(metadata=dict(static=True))
     splits: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # see concat_weights
+    experts: int = dataclasses.field(default=0, metadata=dict(static=True))  # > 0: a stack, see expert_linear
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -159,6 +161,13 @@ def pack_weight(raw: np.ndarray, qtype, shape: tuple[int, int], done=None) -> QW
     return QWeight(q=q, a=a, c=c, n=n, k=k, bs=bs)
 
 
+def pack_experts(raw: np.ndarray, qtype, shape: tuple[int, int, int], done=None) -> QWeight:
+    """Raw GGUF bytes of an expert stack [E, n, k] (n a multiple of 16) -> one QWeight of E * n columns, expert e's
+    columns e * n .. (e + 1) * n, its 16-column groups contiguous (what fucina_qmatmul_experts reads)."""
+    E, n, k = (int(d) for d in shape)
+    return dataclasses.replace(pack_weight(raw, qtype, (E * n, k), done=done), experts=E)
+
+
 def concat_weights(ws: list[QWeight | FWeight]) -> QWeight | FWeight | None:
     """Weights that read the same input (Q, K, V; gate, up) as one weight whose outputs are the parts' outputs side
     by side (`splits` = the parts' n): one kernel call instead of several, each column computed exactly as before.
@@ -213,6 +222,17 @@ def qlinear(x: jax.Array, w: QWeight | FWeight) -> jax.Array:
     if n_pad != w.n:
         y = y[:, : w.n]
     return y.reshape(*lead, w.n)
+
+
+def expert_linear(x: jax.Array, ids: jax.Array, w: QWeight) -> jax.Array:
+    """A mixture-of-experts product: ids [T, U] expert ids, x [T, k] (each token's input, read by all its experts)
+    or [T, U, k] (one input per (token, expert)) -> [T, U, n / experts], row (t, u) = x[t] (or x[t, u]) times
+    expert ids[t, u] of the stack w (pack_experts). Each row is computed as qlinear computes it."""
+    _register()
+    T, U = ids.shape
+    return jax.ffi.ffi_call(EXPERTS_TARGET, jax.ShapeDtypeStruct((T, U, w.n // w.experts), jnp.float32))(
+        x.reshape(-1, w.k).astype(jnp.float32), ids.astype(jnp.int32), w.q, w.a, w.c, bs=np.int64(w.bs),
+        experts=np.int64(w.experts))
 
 
 def take_rows(w: QWeight | FWeight, ids: jax.Array) -> jax.Array:

@@ -608,6 +608,7 @@ void groups_each(const Weights& w, int64_t g0, int64_t g1, const Act& x, float* 
 struct Isa {
   const char* name;
   GroupsFn fn;
+  GroupFn group;
   bool (*supported)();
 };
 
@@ -622,9 +623,9 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 }
 
-const Isa kIsas[] = {{"avx512", groups_each<group_avx512>, has_avx512},
-                     {"avx2", groups_each<group_avx2>, has_avx2},
-                     {"scalar", groups_each<group_scalar>, has_scalar}};
+const Isa kIsas[] = {{"avx512", groups_each<group_avx512>, group_avx512, has_avx512},
+                     {"avx2", groups_each<group_avx2>, group_avx2, has_avx2},
+                     {"scalar", groups_each<group_scalar>, group_scalar, has_scalar}};
 
 std::atomic<int> g_isa{-1};
 
@@ -651,13 +652,9 @@ int current_isa() {
 // The FFI handler: quantize the rows once, then column groups in parallel on XLA's intra-op thread pool.
 // ------------------------------------------------------------------------------------------------------------------
 
-ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
-                       ffi::AnyBuffer wa, ffi::AnyBuffer wc, ffi::ResultBuffer<ffi::F32> y, int64_t bs) {
-  auto xd = x.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("fucina_qmatmul: x and y must be 2-D");
-  const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (yd[0] != M) return ffi::Error::InvalidArgument("fucina_qmatmul: x and y row counts differ");
+// The packed weight of an [N, K] product (N a multiple of 16) as Weights, or the error that its arrays do not fit.
+ffi::Error make_weights(ffi::Buffer<ffi::U8> wq, ffi::AnyBuffer wa, ffi::AnyBuffer wc, int64_t K, int64_t N,
+                        int64_t bs, Weights* out) {
   if (bs != 16 && bs != 32) return ffi::Error::InvalidArgument("fucina_qmatmul: bs must be 16 or 32");
   if (K % kQB || N % kLanes) return ffi::Error::InvalidArgument("fucina_qmatmul: K % 32 or N % 16 is not 0");
   const int64_t G = N / kLanes, nb = K / kQB, nsub = kQB / bs;
@@ -678,28 +675,124 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       (kind == kScaleK && (wc.element_count() != 0 || bs != (kaffine ? 32 : 16))) ||
       (wc.element_count() != 0 && static_cast<int64_t>(wc.element_count()) != n_scales))
     return ffi::Error::InvalidArgument("fucina_qmatmul: packed weight sizes do not match x and y");
-  if (M == 0) return ffi::Error::Success();
   if (wc.element_count() != 0 && wc.element_type() != st)
     return ffi::Error::InvalidArgument("fucina_qmatmul: scales and offsets must both be f32 or both f16");
   const bool affine = kind == kScaleK ? kaffine : wc.element_count() != 0;
-  const Weights w{wq.typed_data(), wa.untyped_data(), wc.element_count() ? wc.untyped_data() : nullptr, nb,
-                  static_cast<int>(nsub), kind, affine, bits, 1 << (bits - 1)};
-  Act act;
+  *out = Weights{wq.typed_data(), wa.untyped_data(), wc.element_count() ? wc.untyped_data() : nullptr, nb,
+                 static_cast<int>(nsub), kind, affine, bits, 1 << (bits - 1)};
+  return ffi::Error::Success();
+}
+
+// M rows of x [*, K] (row i at x + K * rows[i], or row i itself when rows is null) quantized for weights w.
+void quantize_for(const float* x, int64_t M, int64_t K, const int64_t* rows, const Weights& w, int isa, Act& act) {
   act.M = M;
   act.K = K;
-  act.nb = nb;
+  act.nb = K / kQB;
   act.q.resize(M * K);
-  act.d.resize(M * nb);
-  act.s16.resize(M * 2 * nb);
+  act.d.resize(M * act.nb);
+  act.s16.resize(M * 2 * act.nb);
+  if (rows) {
+    std::vector<float> gathered(M * K);
+    for (int64_t i = 0; i < M; ++i) std::memcpy(gathered.data() + i * K, x + rows[i] * K, K * sizeof(float));
+    quantize_rows(gathered.data(), act, isa);
+  } else {
+    quantize_rows(x, act, isa);
+  }
+  act.make_corr(w.nsub, w.affine, w.zero);
+}
+
+ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                       ffi::AnyBuffer wa, ffi::AnyBuffer wc, ffi::ResultBuffer<ffi::F32> y, int64_t bs) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("fucina_qmatmul: x and y must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (yd[0] != M) return ffi::Error::InvalidArgument("fucina_qmatmul: x and y row counts differ");
+  Weights w;
+  if (ffi::Error e = make_weights(wq, wa, wc, K, N, bs, &w); e.failure()) return e;
+  if (M == 0) return ffi::Error::Success();
+  Act act;
   const int isa = current_isa();
-  quantize_rows(x.typed_data(), act, isa);
-  act.make_corr(static_cast<int>(nsub), affine, w.zero);
+  quantize_for(x.typed_data(), M, K, nullptr, w, isa, act);
   const GroupsFn fn = kIsas[isa].fn;
   float* out = y->typed_data();
   // Column groups in parallel; a group is never split, so results do not depend on the split. (Two groups per pass,
   // sharing the activation broadcasts, was faster on cache-resident weights but slower on weights streamed from
   // memory, which is the case that matters: docs/performance.md.)
-  fucina::parallel_for(pool, G, [&](int64_t g0, int64_t g1) { fn(w, g0, g1, act, out, N); });
+  fucina::parallel_for(pool, N / kLanes, [&](int64_t g0, int64_t g1) { fn(w, g0, g1, act, out, N); });
+  return ffi::Error::Success();
+}
+
+// Weights whose group 0 is group g0 of w (an expert of a stack: its groups are contiguous).
+Weights from_group(const Weights& w, int64_t g0) {
+  Weights e = w;
+  e.q = w.q + g0 * w.nb * w.block_bytes();
+  if (w.kind == kScaleK) {
+    e.a = static_cast<const uint8_t*>(w.a) + g0 * (w.nb / 8) * w.kbytes();
+  } else {
+    const int64_t size = w.kind == kScaleF16 ? 2 : 4;
+    e.a = static_cast<const uint8_t*>(w.a) + w.base(g0) * size;
+    if (w.c) e.c = static_cast<const uint8_t*>(w.c) + w.base(g0) * size;
+  }
+  return e;
+}
+
+// Mixture-of-experts product: y[t, u] = x[row(t, u)] . W[ids[t, u]]^T for a stack of E experts packed as one
+// weight of E * Ne columns (expert e = columns e * Ne .. (e + 1) * Ne). row(t, u) = t when x has T rows (gate and
+// up read the token's input), t * U + u when it has T * U (down reads each expert's own input). The rows of one
+// expert are quantized and computed together, column groups of all the used experts in parallel; each output is the
+// same sequence as fucina_qmatmul's, so bitwise independent of the batch and of the other rows' experts.
+ffi::Error QMatmulExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                              ffi::Buffer<ffi::U8> wq, ffi::AnyBuffer wa, ffi::AnyBuffer wc,
+                              ffi::ResultBuffer<ffi::F32> y, int64_t bs, int64_t experts) {
+  auto xd = x.dimensions();
+  auto id = ids.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || id.size() != 2 || yd.size() != 3)
+    return ffi::Error::InvalidArgument("fucina_qmatmul_experts: x [R, K], ids [T, U] and y [T, U, Ne] expected");
+  const int64_t T = id[0], U = id[1], K = xd[1], Ne = yd[2], E = experts;
+  if (yd[0] != T || yd[1] != U || (xd[0] != T && xd[0] != T * U) || E < 1 || Ne % kLanes)
+    return ffi::Error::InvalidArgument("fucina_qmatmul_experts: shapes of x, ids and y do not match");
+  Weights w;
+  if (ffi::Error e = make_weights(wq, wa, wc, K, E * Ne, bs, &w); e.failure()) return e;
+  const bool own_rows = xd[0] == T * U && U > 1;
+  const int32_t* idp = ids.typed_data();
+  std::vector<std::vector<int64_t>> pairs(E);  // per expert, the (t * U + u) that use it, in order
+  for (int64_t p = 0; p < T * U; ++p) {
+    if (idp[p] < 0 || idp[p] >= E) return ffi::Error::InvalidArgument("fucina_qmatmul_experts: expert id out of range");
+    pairs[idp[p]].push_back(p);
+  }
+  struct Job {
+    int64_t e;
+    Weights w;
+    Act act;
+    std::vector<float> out;  // [rows, Ne]
+  };
+  const int isa = current_isa();
+  std::vector<Job> jobs;
+  for (int64_t e = 0; e < E; ++e) {
+    if (pairs[e].empty()) continue;
+    std::vector<int64_t> rows(pairs[e]);
+    if (!own_rows)
+      for (int64_t& r : rows) r /= U;
+    Job& j = jobs.emplace_back();
+    j.e = e;
+    j.w = from_group(w, e * (Ne / kLanes));
+    quantize_for(x.typed_data(), static_cast<int64_t>(rows.size()), K, rows.data(), w, isa, j.act);
+    j.out.resize(rows.size() * Ne);
+  }
+  const int64_t Ge = Ne / kLanes;
+  const GroupFn fn = kIsas[isa].group;
+  fucina::parallel_for(pool, static_cast<int64_t>(jobs.size()) * Ge, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      Job& j = jobs[i / Ge];
+      fn(j.w, i % Ge, j.act, 0, j.act.M, j.out.data(), Ne);
+    }
+  });
+  float* out = y->typed_data();
+  for (const Job& j : jobs)
+    for (size_t m = 0; m < pairs[j.e].size(); ++m)
+      std::memcpy(out + pairs[j.e][m] * Ne, j.out.data() + m * Ne, Ne * sizeof(float));
   return ffi::Error::Success();
 }
 
@@ -718,6 +811,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmulExperts, QMatmulExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bs")
+                                  .Attr<int64_t>("experts"));
 
 // ------------------------------------------------------------------------------------------------------------------
 // Python module: the handler capsules and the instruction-set switch (tests force the fallbacks with it).
@@ -739,6 +844,7 @@ static PyObject* py_handlers(PyObject*, PyObject*) {
   const std::pair<const char*, void*> handlers[] = {
       {"qmatmul", reinterpret_cast<void*>(&FucinaQMatmul)},
       {"fmatmul", reinterpret_cast<void*>(&FucinaFMatmul)},
+      {"qmatmul_experts", reinterpret_cast<void*>(&FucinaQMatmulExperts)},
       {"attention", reinterpret_cast<void*>(&FucinaAttention)},
       {"rms_norm", reinterpret_cast<void*>(&FucinaRmsNorm)},
       {"norm_rope", reinterpret_cast<void*>(&FucinaNormRope)},

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax.errors import MetadataError, MissingTensorError
+from fucina_jax.kernels import QWeight
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import LayerSpec, ModelConfig, meta_float, meta_get, meta_int, per_layer, read_hparams
 from fucina_jax.models.layers import (
@@ -224,9 +225,12 @@ def tensor_table(cfg: ModelConfig):
 
 
 def _expert_weights(p: dict):
-    """(gate, up) expert tensors [E, Fe, D]: halves of the fused ffn_gate_up_exps, or the separate pair."""
+    """(gate, up) expert tensors [E, Fe, D]: halves of the fused ffn_gate_up_exps, or the separate pair; (the fused
+    stack, None) when it is packed."""
     if "ffn_gate_up_exps" in p:
         gu = p["ffn_gate_up_exps"]
+        if isinstance(gu, QWeight):  # packed: one expert call gives gate and up side by side (layers.moe_ffn)
+            return gu, None
         fe = gu.shape[1] // 2
         return gu[:, :fe], gu[:, fe:]
     if "ffn_gate_exps" in p and "ffn_up_exps" in p:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fucina_jax.kernels import KERNEL_WEIGHTS, FWeight, QWeight, qlinear, take_rows
+from fucina_jax.kernels import KERNEL_WEIGHTS, FWeight, QWeight, expert_linear, qlinear, take_rows
 from fucina_jax.kernels import attention as kernels_attention
 from fucina_jax.kernels import norm_rope as kernels_norm_rope
 from fucina_jax.kernels import residual_norm as kernels_residual_norm
@@ -269,21 +269,51 @@ def moe_ffn(
     """Softmax top-k routing with renormalised weights (llama.cpp build_moe_ffn, SOFTMAX gating, norm_w=true).
 
     x: [..., D]; router_logits: [..., E]; gate/up_exps: [E, F, D]; down_exps: [E, D, F].
-    Dense formulation: every expert is computed for every token and weighted by a [.., E] matrix that is zero off the
-    selected experts. Exact (zero weights contribute 0), simple, and fine for the tiny fixtures; a gather-based
-    path is the speed route for real MoE checkpoints.
+    The reference (f32 stacks): every expert is computed for every token and weighted by a [.., E] matrix that is
+    zero off the selected experts. Exact (zero weights contribute 0) and simple. Where a stack is packed
+    (kernels.pack_experts, the kernels' path), only the routed experts are computed (_routed_experts); up_exps may
+    then be None, with gate_exps the fused gate_up stack.
     """
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     top_w, top_i = jax.lax.top_k(probs, n_used)
     top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     if expert_scale is not None:
         top_w = top_w * expert_scale[top_i]
+    if any(isinstance(w, QWeight) for w in (gate_exps, up_exps, down_exps)):
+        return _routed_experts(x, top_w, top_i, gate_exps, up_exps, down_exps, act)
     E = probs.shape[-1]
     weights = jnp.sum(jax.nn.one_hot(top_i, E, dtype=jnp.float32) * top_w[..., None], axis=-2)  # [..., E]
     g = jnp.einsum("...d,efd->...ef", x, gate_exps)
     u = jnp.einsum("...d,efd->...ef", x, up_exps)
     y = jnp.einsum("...ef,edf->...ed", ACTIVATIONS[act](g) * u, down_exps)
     return jnp.einsum("...ed,...e->...d", y, weights)
+
+
+def _expert_rows(x: jax.Array, ids: jax.Array, w) -> jax.Array:
+    """Rows [T, U, n] of expert ids [T, U] applied to x [T, k] or [T, U, k]: the experts kernel for a packed stack,
+    a gather of the U experts' f32 matrices for an f32 one."""
+    if isinstance(w, QWeight):
+        return expert_linear(x, ids, w)
+    eq = "tk,tunk->tun" if x.ndim == 2 else "tuk,tunk->tun"
+    return jnp.einsum(eq, x, w[ids])
+
+
+def _routed_experts(x, top_w, top_i, gate_exps, up_exps, down_exps, act: str) -> jax.Array:
+    """moe_ffn over the routed experts only (the kernels' path: stacks packed by kernels.pack_experts). up_exps None:
+    gate_exps is the fused gate_up stack [E, 2F, D] (gate rows first). The weighted sum over the U experts is spelled
+    out in a fixed order, so each row is the same whatever the batch."""
+    lead, D = x.shape[:-1], x.shape[-1]
+    U = top_i.shape[-1]
+    xt, ids, wts = x.reshape(-1, D), top_i.reshape(-1, U), top_w.reshape(-1, U)
+    if up_exps is None:
+        g, u = jnp.split(_expert_rows(xt, ids, gate_exps), 2, axis=-1)
+    else:
+        g, u = _expert_rows(xt, ids, gate_exps), _expert_rows(xt, ids, up_exps)
+    y = _expert_rows(ACTIVATIONS[act](g) * u, ids, down_exps)  # [T, U, D]
+    out = y[:, 0] * wts[:, :1]
+    for j in range(1, U):
+        out = out + y[:, j] * wts[:, j:j + 1]
+    return out.reshape(*lead, D)
 
 
 def softcap(x: jax.Array, cap: float) -> jax.Array:

@@ -16,15 +16,18 @@ import numpy as np
 from fucina_jax.errors import MissingTensorError, TensorShapeError
 from fucina_jax.gguf_io import GGUFFile
 
-__all__ = ["PACKED_KEYS", "TensorSpec", "load_params", "output_specs"]
+__all__ = ["EXPERT_KEYS", "PACKED_KEYS", "TensorSpec", "load_params", "output_specs"]
 
-# Params consumed only through layers.linear / layers.lookup, so either representation works for them. Routers, norms
-# and expert stacks stay f32. (Gemma 4 E2B's per-layer embedding table is 262144 x 8960: 9.4 GB in f32, 2.5 GB as
+# Params consumed only through layers.linear / layers.lookup, so either representation works for them. Routers and
+# norms stay f32. (Gemma 4 E2B's per-layer embedding table is 262144 x 8960: 9.4 GB in f32, 2.5 GB as
 # the Q8_0 its files store.)
 PACKED_KEYS = frozenset({
     "token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
     "per_layer_token_embd", "per_layer_model_proj", "inp_gate", "proj",
 })
+
+# Expert stacks [E, n, k], consumed only through layers.moe_ffn: quantized ones stay quantized (kernels.pack_experts).
+EXPERT_KEYS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"})
 
 
 @dataclass(frozen=True)
@@ -61,18 +64,25 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
             f"tensor {name!r} in {gf.path!r} has shape {shape} (NumPy order) but the metadata implies {spec.shape}; "
             "the metadata and the weights disagree: re-convert the model."
         )
-    if packed and spec.key in PACKED_KEYS:
+    if packed and (spec.key in PACKED_KEYS or spec.key in EXPERT_KEYS):
         from fucina_jax import kernels
 
         qtype = gf.tensors[name].qtype
-        if kernels.packable(qtype, shape):
+        stack = spec.key in EXPERT_KEYS
+        if stack:  # an expert stack [E, n, k] packs as [E * n, k] when no 16-column group straddles two experts
+            ok = qtype in kernels.PACKED_TYPES and len(shape) == 3 and shape[1] % 16 == 0 and kernels.packable(
+                qtype, (shape[0] * shape[1], shape[2]))
+        else:
+            ok = kernels.packable(qtype, shape)
+        if ok:
             raw = gf.raw(name)
             base = raw.ctypes.data
 
             def done(rows):  # drop the file pages of each chunk once packed: the mapping is not held whole in RSS
                 gf.release(name, rows.ctypes.data - base, rows.ctypes.data - base + rows.nbytes)
 
-            return kernels.pack_weight(raw, qtype, shape, done=done)
+            pack = kernels.pack_experts if stack else kernels.pack_weight
+            return pack(raw, qtype, shape, done=done)
     arr = gf.load(name)  # a converted copy: the file pages are no longer needed
     gf.release(name)
     return arr

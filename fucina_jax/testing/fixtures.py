@@ -191,11 +191,12 @@ def _weights(spec: FixtureSpec, n_vocab: int, rng: np.random.Generator, random_c
 
 def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str | None = None) -> None:
     """Add tensors to a GGUFWriter; with `qtype` (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1: what gguf.quants can write)
-    every 2-D matmul weight whose rows are whole blocks is stored quantized, as llama-quantize would."""
+    every 2-D matmul weight and 3-D expert stack whose rows are whole blocks is stored quantized, as llama-quantize
+    would."""
     import gguf
     import gguf.quants
 
-    from fucina_jax.models.loading import PACKED_KEYS
+    from fucina_jax.models.loading import EXPERT_KEYS, PACKED_KEYS
 
     t = gguf.GGMLQuantizationType[qtype] if qtype else None
     block = gguf.GGML_QUANT_SIZES[t][0] if t is not None else 0
@@ -204,7 +205,8 @@ def add_tensors(writer, tensors: dict[str, np.ndarray], qtype: str | None = None
             writer.add_tensor(name, arr.data, raw_dtype=gguf.GGMLQuantizationType[arr.qtype])
             continue
         key = name.split(".")[-2]
-        if t is not None and arr.ndim == 2 and key in PACKED_KEYS and arr.shape[1] % block == 0:
+        if t is not None and ((arr.ndim == 2 and key in PACKED_KEYS) or (arr.ndim == 3 and key in EXPERT_KEYS)) \
+                and arr.shape[-1] % block == 0:
             writer.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
         else:
             writer.add_tensor(name, arr)
