@@ -206,3 +206,13 @@ def test_the_store_keeps_only_the_latest_environments(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("prefill_step-*.bin")) == sorted(
         f"prefill_step-{age:016d}{k * 16}.bin" for age in range(aot.KEEP_ENVIRONMENTS) for k in "01")
     assert (tmp_path / "young.bin").exists() and (tmp_path / "notes.txt").read_text() == "kept"
+
+
+def test_programs_are_keyed_to_the_kernel_build(tmp_path, monkeypatch):
+    """A program calls the kernels' FFI handlers: one compiled against another build of the extension (same module
+    text) must not be found (a stale one crashed in a rebuilt library)."""
+    monkeypatch.setattr(aot, "_store", lambda: str(tmp_path))
+    lowered = jax.jit(lambda x: x + 1).lower(np.float32(1))
+    this_build = aot._program_path("f", lowered)
+    monkeypatch.setattr(aot, "_native", lambda: b"another build of the kernels")
+    assert aot._program_path("f", lowered) != this_build
