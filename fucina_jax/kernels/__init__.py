@@ -201,9 +201,12 @@ def concat_weights(ws: list[QWeight | FWeight]) -> QWeight | FWeight | None:
 
 
 def packable(qtype, shape) -> bool:
-    """True when pack_weight takes a [n, k] tensor of this type (the kernels are built, and k fits their blocks)."""
-    if len(shape) != 2 or not available():
+    """True when pack_weight takes a [n, k] tensor of this type, or pack_experts an [E, n, k] stack (quantized, no
+    16-column group straddling two experts); the kernels must be built, and k fit their blocks."""
+    if len(shape) not in (2, 3) or not available():
         return False
+    if len(shape) == 3:
+        return qtype in PACKED_TYPES and shape[1] % LANES == 0 and shape[2] % QBLOCK == 0
     return (qtype in PACKED_TYPES and shape[1] % QBLOCK == 0) or (qtype in FLOAT_TYPES and shape[1] % FLOAT_K == 0)
 
 

@@ -69,12 +69,7 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
 
         qtype = gf.tensors[name].qtype
         stack = spec.key in EXPERT_KEYS
-        if stack:  # an expert stack [E, n, k] packs as [E * n, k] when no 16-column group straddles two experts
-            ok = qtype in kernels.PACKED_TYPES and len(shape) == 3 and shape[1] % 16 == 0 and kernels.packable(
-                qtype, (shape[0] * shape[1], shape[2]))
-        else:
-            ok = kernels.packable(qtype, shape)
-        if ok:
+        if kernels.packable(qtype, shape):
             raw = gf.raw(name)
             base = raw.ctypes.data
 
