@@ -123,15 +123,16 @@ class Runner:
         self.stops = frozenset(model.tokenizer.eog_ids)
         self.llms = {}
         if llama:
-            from llama_cpp import Llama
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+            from fucina_jax.testing import open_llama_cpp
+
             kw = {"n_ctx": ctx, "n_threads": LLAMA_THREADS, "n_threads_batch": LLAMA_THREADS, "seed": seed, "verbose": False}
-            self.llms["llama_plain"] = Llama(path, **kw)
+            self.llms["llama_plain"] = open_llama_cpp(path, **kw)
             for n in (2, 10):
                 # prompt lookup verifies drafts through logits of every position: logits_all=True
-                self.llms[f"llama_pld{n}"] = Llama(path, logits_all=True,
-                                                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=n), **kw)
+                self.llms[f"llama_pld{n}"] = open_llama_cpp(path, logits_all=True,
+                                                            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=n), **kw)
 
     @property
     def systems(self) -> tuple[str, ...]:

@@ -47,9 +47,9 @@ print("STAGE spec %.1f %.1f" % rss(), flush=True)
 
 LLAMA_CODE = r"""
 import resource, sys
-from llama_cpp import Llama
+from fucina_jax.testing import open_llama_cpp
 path, ctx, gen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-llm = Llama(path, n_ctx=ctx, n_threads=2, verbose=False)
+llm = open_llama_cpp(path, n_ctx=ctx, n_threads=2, verbose=False)
 ids = llm.tokenize(b"The history of the printing press begins with")
 out = llm.generate(ids, temp=0.0)
 for _ in range(gen):

@@ -141,9 +141,14 @@ def main() -> int:
           f"too (every verify width compiled): {rss:.0f} MiB = {rss / gguf_mb:.2f}x (scripts/bench_memory.py splits "
           f"these from the JAX runtime's own ~200 MiB)")
 
-    from llama_cpp import Llama
+    from fucina_jax.testing import open_llama_cpp
+    from fucina_jax.testing.llama_cpp import amx_build
 
-    llm = Llama(path, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False,
+    if amx_build():
+        print("note: this llama.cpp build has its AMX backend, which segfaults on some AMX CPUs (llama.cpp #20824), so it "
+              "runs without its extra buffer types (no AMX, no CPU_REPACK): a slower baseline than llama.cpp built "
+              "without AMX (see README, Benchmarks)")
+    llm = open_llama_cpp(path, n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False,
                 logits_all=True)
 
     def llama_run():

@@ -77,10 +77,10 @@ class LlamaRef:
     """llama.cpp as the reference: logits of every position, and greedy continuations."""
 
     def __init__(self, path: str, n_ctx: int = 1024, f32_cache: bool = True):
-        from llama_cpp import Llama
+        from fucina_jax.testing import open_llama_cpp
 
         kw = dict(type_k=0, type_v=0) if f32_cache else {}  # GGML_TYPE_F32 K/V cache: no f16 rounding of K/V
-        self.llm = Llama(path, n_ctx=n_ctx, n_batch=512, logits_all=True, verbose=False, n_threads=2, seed=0, **kw)
+        self.llm = open_llama_cpp(path, n_ctx=n_ctx, n_batch=512, logits_all=True, verbose=False, n_threads=2, seed=0, **kw)
 
     def logits(self, ids) -> np.ndarray:
         self.llm.reset()

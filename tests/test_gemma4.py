@@ -52,10 +52,10 @@ EXTRA = {
 _REF_SCRIPT = r"""
 import json, sys
 import numpy as np
-from llama_cpp import Llama
+from fucina_jax.testing import open_llama_cpp
 jobs, ids = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 for path, out in jobs:
-    llm = Llama(path, n_ctx=128, n_batch=128, logits_all=True, verbose=False, n_threads=2, seed=0, type_k=0, type_v=0)
+    llm = open_llama_cpp(path, n_ctx=128, n_batch=128, logits_all=True, verbose=False, n_threads=2, seed=0, type_k=0, type_v=0)
     llm.eval(ids)
     np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
     llm.close()

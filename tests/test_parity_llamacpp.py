@@ -152,3 +152,20 @@ def test_gemma3_real_f32_logits_match_llamacpp_over_the_window(gemma3_f32_path, 
         p_ids = ref.llm.tokenize(prompt, add_bos=True)
         a, b = model.logits(p_ids)[-1], ref.logits(p_ids)[-1]
         assert set(np.argsort(a)[-5:]) == set(np.argsort(b)[-5:])
+
+
+def test_llama_cpp_opens_without_amx_buffers_only_on_an_amx_build(fixture_path):
+    """open_llama_cpp turns llama.cpp's extra buffer types off exactly when its build has the AMX backend (whose matmul
+    segfaults on some AMX CPUs), and leaves llama_cpp's defaults as they were for everyone else."""
+    import llama_cpp
+    import llama_cpp.llama as module
+
+    from fucina_jax.testing import open_llama_cpp
+    from fucina_jax.testing.llama_cpp import amx_build
+
+    default = module.llama_cpp.llama_model_default_params
+    llm = open_llama_cpp(fixture_path("qwen3"), n_ctx=64, verbose=False, n_threads=1)
+    assert bool(llm.model_params.use_extra_bufts) == (not amx_build())
+    assert module.llama_cpp.llama_model_default_params is default and llama_cpp.llama_model_default_params().use_extra_bufts
+    llm.eval([1, 2, 3])  # and it runs
+    assert np.isfinite(np.asarray(llm.scores[2])).all()
