@@ -213,6 +213,10 @@ def test_quantized_expert_stacks_stay_quantized(quantized, llama_ref, kind):
     files = [t for name, t in gf.tensors.items()
              if len(t.shape) == 3 and name.split(".")[-2] in EXPERT_KEYS and t.qtype in kernels.PACKED_TYPES]
     assert len(stacks) == len(files) > 0 and sum(w.nbytes for w in stacks) == sum(t.n_bytes for t in files)
+    # the routers (F32 in the file, as llama.cpp's quantizer leaves them) run on the float kernel: row-exact logits
+    routers = [layer["ffn_gate_inp"] for layer in fast.params["layers"] if "ffn_gate_inp" in layer]
+    assert len(routers) == sum(name.endswith("ffn_gate_inp.weight") for name in gf.tensors) > 0
+    assert all(isinstance(r, kernels.FWeight) and r.w.dtype == np.float32 for r in routers)
     want = llama_ref(path).logits(IDS)
     got = fast.logits(IDS)
     assert_same_clear_argmax(got, want)

@@ -121,6 +121,26 @@ def test_moe_topk_renormalised():
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_route_is_softmax_top_k_renormalised_and_row_exact():
+    """layers.route takes the top logits and a softmax over those only: the weights of softmax over all E, top n,
+    renormalised (float64 reference), the same experts, and each row's bits whatever the number of rows."""
+    import jax
+
+    E, n, T = 128, 8, 16
+    logits = (rng.standard_normal((T, E)) * np.linspace(0.1, 30.0, T)[:, None]).astype(np.float32)
+    w, ids = (np.asarray(a) for a in jax.jit(L.route, static_argnums=1)(jnp.asarray(logits), n))
+    for t in range(T):
+        p = np.exp(logits[t].astype(np.float64) - logits[t].max())
+        p /= p.sum()
+        sel = np.argsort(-p, kind="stable")[:n]
+        np.testing.assert_array_equal(ids[t], sel)
+        np.testing.assert_allclose(w[t], p[sel] / p[sel].sum(), rtol=2e-6, atol=1e-7)
+        for rows in (1, 3):  # the same row inside smaller steps: bitwise
+            part = jax.jit(L.route, static_argnums=1)(jnp.asarray(logits[t:t + rows]), n)
+            np.testing.assert_array_equal(np.asarray(part[0])[0], w[t])
+            np.testing.assert_array_equal(np.asarray(part[1])[0], ids[t])
+
+
 def test_write_kv_drops_out_of_range_rows():
     cache = jnp.zeros((1, 4, 1, 2))
     new = jnp.ones((1, 3, 1, 2))

@@ -37,6 +37,7 @@ __all__ = [
     "residual_norm",
     "gelu_tanh",
     "moe_ffn",
+    "route",
     "softcap",
 ]
 
@@ -274,19 +275,33 @@ def moe_ffn(
     (kernels.pack_experts, the kernels' path), only the routed experts are computed (_routed_experts); up_exps may
     then be None, with gate_exps the fused gate_up stack.
     """
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    top_w, top_i = jax.lax.top_k(probs, n_used)
-    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w, top_i = route(router_logits, n_used)
     if expert_scale is not None:
         top_w = top_w * expert_scale[top_i]
     if any(isinstance(w, QWeight) for w in (gate_exps, up_exps, down_exps)):
         return _routed_experts(x, top_w, top_i, gate_exps, up_exps, down_exps, act)
-    E = probs.shape[-1]
+    E = router_logits.shape[-1]
     weights = jnp.sum(jax.nn.one_hot(top_i, E, dtype=jnp.float32) * top_w[..., None], axis=-2)  # [..., E]
     g = jnp.einsum("...d,efd->...ef", x, gate_exps)
     u = jnp.einsum("...d,efd->...ef", x, up_exps)
     y = jnp.einsum("...ef,edf->...ed", ACTIVATIONS[act](g) * u, down_exps)
     return jnp.einsum("...ed,...e->...d", y, weights)
+
+
+def route(router_logits: jax.Array, n_used: int) -> tuple[jax.Array, jax.Array]:
+    """Router logits [..., E] -> (weights, expert ids) [..., n_used]: softmax over all E, top n_used, renormalised.
+
+    Spelled as the top n_used logits, then a softmax over those alone: the same numbers (softmax's common factor
+    cancels in the renormalisation), but no reduction over E, and the n_used-term sum in a fixed order. So a row's
+    experts and weights depend on its logits only, never on the number of rows (XLA may sum a [T, E] softmax
+    differently at T = 1 and T = 8). Ties between equal logits go to the lower expert id, as in lax.top_k.
+    """
+    top_l, top_i = jax.lax.top_k(router_logits.astype(jnp.float32), n_used)
+    e = jnp.exp(top_l - top_l[..., :1])  # top_k sorts descending: e[..., 0] == 1
+    total = e[..., 0]
+    for j in range(1, n_used):
+        total = total + e[..., j]
+    return e / total[..., None], top_i
 
 
 def _expert_rows(x: jax.Array, ids: jax.Array, w) -> jax.Array:

@@ -16,10 +16,10 @@ import numpy as np
 from fucina_jax.errors import MissingTensorError, TensorShapeError
 from fucina_jax.gguf_io import GGUFFile
 
-__all__ = ["EXPERT_KEYS", "PACKED_KEYS", "TensorSpec", "load_params", "output_specs"]
+__all__ = ["EXPERT_KEYS", "PACKED_KEYS", "ROUTER_KEYS", "TensorSpec", "load_params", "output_specs"]
 
-# Params consumed only through layers.linear / layers.lookup, so either representation works for them. Routers and
-# norms stay f32. (Gemma 4 E2B's per-layer embedding table is 262144 x 8960: 9.4 GB in f32, 2.5 GB as
+# Params consumed only through layers.linear / layers.lookup, so either representation works for them. Norms stay
+# f32. (Gemma 4 E2B's per-layer embedding table is 262144 x 8960: 9.4 GB in f32, 2.5 GB as
 # the Q8_0 its files store.)
 PACKED_KEYS = frozenset({
     "token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
@@ -28,6 +28,11 @@ PACKED_KEYS = frozenset({
 
 # Expert stacks [E, n, k], consumed only through layers.moe_ffn: quantized ones stay quantized (kernels.pack_experts).
 EXPERT_KEYS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"})
+
+# Routers [E, D], consumed only through layers.linear as well. Quantizers keep them F32 (llama.cpp's does, and so do
+# the fixtures); on the kernels' path they run on the float kernel, so a token's router logits, and with them its
+# experts, are the same bits whatever the number of rows in the step (XLA's f32 dot is not: see layers.route).
+ROUTER_KEYS = frozenset({"ffn_gate_inp"})
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
             f"tensor {name!r} in {gf.path!r} has shape {shape} (NumPy order) but the metadata implies {spec.shape}; "
             "the metadata and the weights disagree: re-convert the model."
         )
-    if packed and (spec.key in PACKED_KEYS or spec.key in EXPERT_KEYS):
+    if packed and (spec.key in PACKED_KEYS or spec.key in EXPERT_KEYS or spec.key in ROUTER_KEYS):
         from fucina_jax import kernels
 
         qtype = gf.tensors[name].qtype
