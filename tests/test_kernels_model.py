@@ -121,7 +121,8 @@ def decode_vs_verify(model, prompt, follow):
 
 
 @pytest.mark.parametrize("kind, qtype", [("qwen3", "Q4_1"), ("gemma4-e2b", "Q4_1"), ("qwen3", "F16"),
-                                         ("gemma4-e2b", "BF16"), ("gemma3", "F32"), ("qwen3moe", "Q8_0")])
+                                         ("gemma4-e2b", "BF16"), ("gemma3", "F32"), ("qwen3moe", "Q8_0"),
+                                         ("gemma4-moe", "Q8_0")])
 def test_verify_rows_are_decode_rows_bitwise_on_fixtures(quantized, kind, qtype):
     fast, _, _ = quantized(kind, qtype)
     assert is_kernel_model(fast)

@@ -245,8 +245,9 @@ def moe_block(p: dict, h, cfg: ModelConfig):
     """Dense GeGLU branch + routed experts, each with its own post-norm; input is the post-attention residual."""
     eps = cfg.rms_eps
     dense = ffn_block(rms_norm(h, p["ffn_norm"], eps, cfg.kernels), p, cfg.act)
-    router_in = rms_norm(h, None, eps, cfg.kernels) * np.float32(1.0 / np.sqrt(np.float32(cfg.d_model)))
-    router_in = router_in * p["ffn_gate_inp_scale"]
+    # rmsnorm(h) * n_embd^-0.5 * scale as one product with the folded [D] vector: left as two, XLA folds them itself
+    # only where that saves work (T > 1), which made a row's router input depend on the step's row count
+    router_in = rms_norm(h, None, eps, cfg.kernels) * (p["ffn_gate_inp_scale"] * np.float32(1.0 / np.sqrt(np.float32(cfg.d_model))))
     gate, up = _expert_weights(p)
     experts = moe_ffn(
         rms_norm(h, p["pre_ffw_norm_2"], eps, cfg.kernels), linear(router_in, p["ffn_gate_inp"]), gate, up, p["ffn_down_exps"],
