@@ -20,9 +20,11 @@ Stops: the tokenizer's end-of-generation ids, the template's turn-end marker whe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -558,10 +560,13 @@ def repl(conv: Conversation, *, out=None, err=None, prompt: str = "> ", read=inp
             continue
         turn = None
         try:
-            turn = conv.stream(line)
-            for piece in turn:
-                out.write(piece)
-                out.flush()
+            with _deferred_sigint() as pressed:
+                turn = conv.stream(line)
+                for piece in turn:
+                    out.write(piece)
+                    out.flush()
+                    if pressed():
+                        raise KeyboardInterrupt
             out.write("\n")
         except KeyboardInterrupt:
             if turn is not None:
@@ -570,6 +575,30 @@ def repl(conv: Conversation, *, out=None, err=None, prompt: str = "> ", read=inp
         except FucinaError as e:  # a full context, a template that rejects the conversation: keep the session
             print(f"error: {e}", file=err, flush=True)
         out.flush()
+
+
+@contextlib.contextmanager
+def _deferred_sigint():
+    """During a reply, Ctrl-C only sets a flag that the reply loop reads after each piece. A KeyboardInterrupt
+    raised by Python's own handler lands wherever the main thread is, and when that is a finalizer (JAX frees
+    buffers in __del__ and weakref callbacks) Python prints it as "Exception ignored" and the reply goes on. A
+    second Ctrl-C raises at once, e.g. during a long prefill. Off the main thread, the handler cannot be set: no-op."""
+    hits = []
+
+    def handler(signum, frame):
+        hits.append(signum)
+        if len(hits) > 1:
+            raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield lambda: False
+        return
+    try:
+        yield lambda: bool(hits)
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _repl_ref(conv: Conversation, path: str, out) -> None:
