@@ -19,9 +19,9 @@ from fucina_jax.errors import (
 from fucina_jax.testing import FIXTURES, write_fixture
 
 
-def rewrite(src: str, dst: str, *, arch=None, drop=(), reshape=None, retype=None, meta=None) -> str:
+def rewrite(src: str, dst: str, *, arch=None, drop=(), reshape=None, retype=None, meta=None, add=None) -> str:
     """Copy a GGUF with one thing changed, through gguf's reader and writer. meta: key -> (value, GGUFValueType),
-    replacing (or adding) metadata keys."""
+    replacing (or adding) metadata keys; add: tensor name -> array, tensors to add."""
     import gguf
 
     r = gguf.GGUFReader(src)
@@ -55,6 +55,8 @@ def rewrite(src: str, dst: str, *, arch=None, drop=(), reshape=None, retype=None
             w.add_tensor(t.name, data.astype(np.int32))
             continue
         w.add_tensor(t.name, data)
+    for name, data in (add or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -198,6 +200,18 @@ def test_tensor_data_offsets_are_checked(good, tmp_path, delta):
 def test_layers_past_block_count(good, tmp_path):
     p = rewrite(good, str(tmp_path / "fewer.gguf"), meta={"qwen3.block_count": (2, _v("UINT32"))})
     with pytest.raises(TensorShapeError, match="tensors of layer 2 but its metadata says block_count = 2"):
+        fucina_jax.load(p)
+
+
+def test_tensors_the_architecture_does_not_use(good, tmp_path):
+    """A tensor the model would not read is refused, as llama.cpp refuses it: a Llama 3 file's rope_freqs, biases,
+    or a qwen3 file relabelled llama (whose q/k norms llama does not have) would otherwise run and be wrong."""
+    extra = {"rope_freqs.weight": np.ones(16, np.float32), "blk.0.attn_q.bias": np.zeros(128, np.float32)}
+    p = rewrite(good, str(tmp_path / "extra.gguf"), add=extra)
+    with pytest.raises(UnsupportedArchitectureError, match=r"'blk.0.attn_q.bias' \(and 1 more\) .* not part of a qwen3"):
+        fucina_jax.load(p)
+    p = rewrite(good, str(tmp_path / "relabelled.gguf"), arch="llama")
+    with pytest.raises(UnsupportedArchitectureError, match=r"'blk.0.attn_k_norm.weight' \(and \d+ more\) .* llama"):
         fucina_jax.load(p)
 
 

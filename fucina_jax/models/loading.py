@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from fucina_jax.errors import MissingTensorError, TensorShapeError
+from fucina_jax.errors import MissingTensorError, TensorShapeError, UnsupportedArchitectureError
 from fucina_jax.gguf_io import GGUFFile
 
 __all__ = ["EXPERT_KEYS", "PACKED_KEYS", "ROUTER_KEYS", "TensorSpec", "load_params", "output_specs"]
@@ -88,15 +88,25 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
     return arr
 
 
-def check_tensor_set(gf: GGUFFile, n_layers: int) -> None:
+def check_tensor_set(gf: GGUFFile, n_layers: int, arch: str = "", wanted: set[str] | None = None) -> None:
     """What llama.cpp refuses before reading weights: layer tensors past block_count (the rest of the file would be
-    ignored), and a vocabulary whose size is not the embedding's row count (ids past either end would fail mid-run)."""
+    ignored), a tensor the architecture does not use (llama.cpp: "wrong number of tensors"; run without it, a model
+    would give wrong numbers, e.g. a Llama 3 file's rope_freqs), and a vocabulary whose size is not the embedding's
+    row count (ids past either end would fail mid-run). wanted: every tensor name the model's tables can read."""
     extra = sorted({int(i) for i in (n.split(".")[1] for n in gf.tensors if n.startswith("blk.")) if i.isdigit()}
                    - set(range(n_layers)))
     if extra:
         raise TensorShapeError(
             f"{gf.path!r} has tensors of layer {extra[0]} but its metadata says block_count = {n_layers}; the metadata "
             "and the weights disagree: re-convert the model."
+        )
+    unused = sorted(set(gf.tensors) - wanted) if wanted is not None else []
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise UnsupportedArchitectureError(
+            f"tensor {unused[0]!r}{more} in {gf.path!r} is not part of a {arch} model as fucina_jax runs it; running "
+            "without it would give wrong results (llama.cpp refuses such a file too: 'wrong number of tensors'). "
+            "The file was written for another architecture or variant."
         )
     tokens = gf.metadata.get("tokenizer.ggml.tokens")
     rows = gf.tensor_shape("token_embd.weight")[0] if "token_embd.weight" in gf.tensors else None
@@ -127,7 +137,9 @@ def load_params(
     host buffer: no copy at all)."""
     import jax
 
-    check_tensor_set(gf, n_layers)
+    wanted = {spec.name for spec in global_specs}
+    wanted |= {spec.name.format(l=l) for l in range(n_layers) for spec in layer_specs(l)}
+    check_tensor_set(gf, n_layers, arch, wanted)
 
     def put(x):
         return jax.tree_util.tree_map(place, x)
