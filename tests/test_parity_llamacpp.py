@@ -51,6 +51,25 @@ def test_fixture_logits_match_llamacpp(kind, tol, fixture_path, load_model, llam
     assert diff < tol
 
 
+def test_llama3_rope_freqs_match_llamacpp(tmp_path, llama_ref):
+    """A llama file with rope_freqs.weight (Llama 3's rope scaling, as its converter writes it): every layer divides
+    its RoPE speeds by it, as llama.cpp does. Without them the logits are far off (so the check can fail)."""
+    import dataclasses
+
+    import fucina_jax
+    from fucina_jax.testing import FIXTURES, write_fixture
+
+    spec = dataclasses.replace(FIXTURES["llama"], rope_freqs=True)
+    path = write_fixture(tmp_path / "llama3.gguf", spec=spec)
+    ids = np.random.default_rng(7).integers(0, 264, 48)
+    ref = llama_ref(path, n_ctx=128).logits(ids)
+    for f32 in (True, False):
+        ours = fucina_jax.load(path, f32=f32).logits(ids)
+        assert np.abs(ours - ref).max() < SILU_TOL
+    plain = fucina_jax.load(write_fixture(tmp_path / "llama.gguf", spec=FIXTURES["llama"]), f32=True).logits(ids)
+    assert np.abs(plain - ref).max() > 100 * SILU_TOL
+
+
 GEMMA_PROMPTS = [
     b"def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     b"The three primary colors are",

@@ -18,5 +18,5 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool) -> ModelConfi
     return qwen3.config_from_metadata(md, n_vocab, has_output, arch=ARCH, rope_neox=False)
 
 
-tensor_table = partial(qwen3.tensor_table, qk_norm=False)
+tensor_table = partial(qwen3.tensor_table, qk_norm=False, rope_freqs=True)
 forward_hidden = partial(qwen3.forward_hidden, qk_norm=False)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
-from fucina_jax.models.layers import attention_block, embed, ffn_block, linear, moe_ffn, residual_norm, rms_norm
+from fucina_jax.models.layers import (
+    attention_block, embed, ffn_block, layer_inv_freq, linear, moe_ffn, residual_norm, rms_norm,
+)
 from fucina_jax.models.loading import TensorSpec, output_specs
 
 ARCH = "qwen3"
@@ -43,9 +45,13 @@ def config_from_metadata(md: dict, n_vocab: int, has_output: bool, arch: str = A
     )
 
 
-def tensor_table(cfg: ModelConfig, qk_norm: bool = True):
+def tensor_table(cfg: ModelConfig, qk_norm: bool = True, rope_freqs: bool = False):
+    """rope_freqs: the file may hold rope_freqs.weight, per-pair divisors of the RoPE speeds (llama: Llama 3's rope
+    scaling, which its converter writes as this tensor, not as metadata; llama.cpp reads it for every layer)."""
     D = cfg.d_model
     glob = output_specs(cfg)
+    if rope_freqs:
+        glob.append(TensorSpec("rope_freqs", "rope_freqs.weight", (cfg.layers[0].n_rot // 2,), optional=True))
 
     def layer(l: int) -> list[TensorSpec]:
         s = cfg.layers[l]
@@ -98,7 +104,8 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
     layers, eps = params["layers"], cfg.rms_eps
     x = rms_norm(h, layers[0]["attn_norm"], eps, cfg.kernels)
     for i, (p, spec) in enumerate(zip(layers, cfg.layers)):
-        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm)
+        inv_freq = layer_inv_freq(spec) / params["rope_freqs"] if "rope_freqs" in params else None
+        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm, inv_freq=inv_freq)
         h, x = residual_norm(h, a, None, p["ffn_norm"], eps, cfg.kernels)
         nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["output_norm"]
         h, x = residual_norm(h, ffn(p, x, spec, cfg), None, nxt, eps, cfg.kernels)

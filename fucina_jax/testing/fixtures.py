@@ -38,6 +38,7 @@ class FixtureSpec:
     window: int = 0
     tied: bool = True
     extra_kv: tuple = field(default=())  # extra (key, value) metadata
+    rope_freqs: bool = False  # llama: write a rope_freqs.weight of Llama 3's kind (factors 1..8 across the pairs)
     n_vocab: int = 320
 
 
@@ -160,6 +161,8 @@ def _weights(spec: FixtureSpec, n_vocab: int, rng: np.random.Generator, random_c
     else:
         t = {"token_embd.weight": (rng.standard_normal((n_vocab, D)) * 0.3).astype(np.float32)}
     t["output_norm.weight"] = norm(D)
+    if spec.rope_freqs:  # Llama 3's rope scaling as the converter writes it: 1 for the fast pairs, 8 for the slow ones
+        t["rope_freqs.weight"] = np.geomspace(1.0, 8.0, spec.head_dim // 2).astype(np.float32)
     if not spec.tied:
         t["output.weight"] = mat(n_vocab, D, 3.0)
     for l in range(spec.n_layer):
