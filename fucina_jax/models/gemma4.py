@@ -247,7 +247,8 @@ def moe_block(p: dict, h, cfg: ModelConfig):
     dense = ffn_block(rms_norm(h, p["ffn_norm"], eps, cfg.kernels), p, cfg.act)
     # rmsnorm(h) * n_embd^-0.5 * scale as one product with the folded [D] vector: left as two, XLA folds them itself
     # only where that saves work (T > 1), which made a row's router input depend on the step's row count
-    router_in = rms_norm(h, None, eps, cfg.kernels) * (p["ffn_gate_inp_scale"] * np.float32(1.0 / np.sqrt(np.float32(cfg.d_model))))
+    scale = p["ffn_gate_inp_scale"] * np.float32(1.0 / np.sqrt(np.float32(cfg.d_model)))
+    router_in = rms_norm(h, None, eps, cfg.kernels) * scale
     gate, up = _expert_weights(p)
     experts = moe_ffn(
         rms_norm(h, p["pre_ffw_norm_2"], eps, cfg.kernels), linear(router_in, p["ffn_gate_inp"]), gate, up, p["ffn_down_exps"],
