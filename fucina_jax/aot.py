@@ -263,14 +263,10 @@ def _environment() -> bytes:
     """What, beyond a call's own arguments, decides the lowered module: fucina_jax's files and JAX's options (and,
     through _platform, the rest)."""
     h = hashlib.sha256(_platform() + _native())
-    root = os.path.dirname(os.path.abspath(__file__))
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            if name.endswith((".py", ".c", ".cc", ".h", ".json")):
-                with open(path, "rb") as f:
-                    h.update(name.encode() + b"\0" + f.read())
+    for name, path in _package_files():
+        if name.endswith((".py", ".c", ".cc", ".h", ".json")):
+            with open(path, "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
     options = sorted((k, repr(v)) for k, v in jax.config.values.items() if not any(w in k for w in _NEUTRAL_OPTIONS))
     h.update(repr(options).encode())
     return h.digest()
@@ -300,18 +296,23 @@ def _key_path(name: str, key) -> str | None:
 
 
 @functools.cache
+def _package_files() -> tuple[tuple[str, str], ...]:
+    """(name, path) of every file of the fucina_jax package, in a fixed order (no __pycache__)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        out += [(name, os.path.join(dirpath, name)) for name in sorted(filenames)]
+    return tuple(out)
+
+
+@functools.cache
 def _native() -> bytes:
     """The built extensions (size and time of each .so): a program calls the kernels' FFI handlers, so one compiled
     against another build of them is not reused (a rebuilt kernel library with the same module text crashed in a
     stale program)."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    stats = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in sorted(f for f in filenames if f.endswith(".so")):
-            st = os.stat(os.path.join(dirpath, name))
-            stats.append(f"{name}\0{st.st_size}:{st.st_mtime_ns}")
-    return "\n".join(stats).encode()
+    stats = [(name, os.stat(path)) for name, path in _package_files() if name.endswith(".so")]
+    return "\n".join(f"{name}\0{st.st_size}:{st.st_mtime_ns}" for name, st in stats).encode()
 
 
 def _program_path(name: str, lowered) -> str:

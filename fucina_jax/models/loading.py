@@ -34,6 +34,8 @@ EXPERT_KEYS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_g
 # experts, are the same bits whatever the number of rows in the step (XLA's f32 dot is not: see layers.route).
 ROUTER_KEYS = frozenset({"ffn_gate_inp"})
 
+KERNEL_KEYS = PACKED_KEYS | EXPERT_KEYS | ROUTER_KEYS  # what the kernels' path may hold as kernel weights
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -69,7 +71,7 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
             f"tensor {name!r} in {gf.path!r} has shape {shape} (NumPy order) but the metadata implies {spec.shape}; "
             "the metadata and the weights disagree: re-convert the model."
         )
-    if packed and (spec.key in PACKED_KEYS or spec.key in EXPERT_KEYS or spec.key in ROUTER_KEYS):
+    if packed and spec.key in KERNEL_KEYS:
         from fucina_jax import kernels
 
         qtype = gf.tensors[name].qtype
@@ -88,7 +90,7 @@ def _read(gf: GGUFFile, spec: TensorSpec, name: str, arch: str, packed: bool):
     return arr
 
 
-def check_tensor_set(gf: GGUFFile, n_layers: int, arch: str = "", wanted: set[str] | None = None) -> None:
+def check_tensor_set(gf: GGUFFile, n_layers: int, arch: str, wanted: set[str]) -> None:
     """What llama.cpp refuses before reading weights: layer tensors past block_count (the rest of the file would be
     ignored), a tensor the architecture does not use (llama.cpp: "wrong number of tensors"; run without it, a model
     would give wrong numbers, e.g. a Llama 3 file's rope_freqs), and a vocabulary whose size is not the embedding's
@@ -100,7 +102,7 @@ def check_tensor_set(gf: GGUFFile, n_layers: int, arch: str = "", wanted: set[st
             f"{gf.path!r} has tensors of layer {extra[0]} but its metadata says block_count = {n_layers}; the metadata "
             "and the weights disagree: re-convert the model."
         )
-    unused = sorted(set(gf.tensors) - wanted) if wanted is not None else []
+    unused = sorted(set(gf.tensors) - wanted)
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
         raise UnsupportedArchitectureError(
