@@ -201,10 +201,20 @@ def _log(args, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _options_given(args, ignore: set[str]) -> list[str]:
+    """The option strings of the flags set to other than their defaults, but for the dests in `ignore`."""
+    return [a.option_strings[0] for a in build_parser()._actions
+            if a.option_strings and a.dest not in ignore and a.default is not argparse.SUPPRESS
+            and getattr(args, a.dest) != a.default]
+
+
 def run(args) -> int:
     if args.tokenize is not None:
         from fucina_jax.tokenizer import tokenize_to_lines
 
+        ignored = _options_given(args, {"tokenize", "quiet"})
+        if ignored:
+            raise CLIError(f"--tokenize prints token ids and exits: it cannot be combined with {', '.join(ignored)}")
         path = _model_path(args)
         if args.tokenize != "-" and not os.path.exists(args.tokenize):
             raise CLIError(f"file not found: {args.tokenize}")

@@ -108,6 +108,8 @@ def test_cli_json_on_fixture(fixture_path, capsys):
     (["--bogus-flag"], "unrecognized"),
     (["--cache-type", "q4_0"], "--cache-type"),
     (["-p", "hello \udcff world"], "--prompt is not valid UTF-8 (byte 0xff at character 6)"),  # argv's own escape
+    (["--tokenize", "-", "--spec", "--gen", "5"], "cannot be combined with --gen, --spec"),  # would be ignored
+    (["--tokenize", "-", "--temp", "0"], "cannot be combined with --temperature"),
 ])
 def test_cli_bad_input_is_one_line(argv, needle, capsys):
     rc, out, err = run_cli(argv, capsys)
