@@ -701,9 +701,14 @@ class Tokenizer:
                 seen[t] = i
         self._token_to_id = token_to_id
         if types is not None:
-            type_ids = np.asarray(types[:n], np.int64)
-            attr_of = np.full(max(int(type_ids.max(initial=0)), max(_TYPE_TO_ATTR)) + 1, int(TokenAttr.UNDEFINED),
-                              np.int64)
+            try:
+                type_ids = np.asarray(types[:n], np.int64)
+            except (TypeError, ValueError, OverflowError):
+                raise TokenizerError("tokenizer.ggml.token_type must be int32 llama_token_type values; the GGUF "
+                                     "is malformed") from None
+            if type_ids.ndim != 1:
+                raise TokenizerError("tokenizer.ggml.token_type must be a flat array of integers; the GGUF is malformed")
+            attr_of = np.full(max(_TYPE_TO_ATTR) + 1, int(TokenAttr.UNDEFINED), np.int64)  # unknown types: UNDEFINED
             for t, a in _TYPE_TO_ATTR.items():
                 attr_of[int(t)] = int(a)
             known = (type_ids >= 0) & (type_ids < len(attr_of))

@@ -40,9 +40,9 @@ def rewrite(src: str, dst: str, *, arch=None, drop=(), reshape=None, retype=None
             w.add_key_value(key, val, vtype, sub_type=f.types[-1])
         else:
             w.add_key_value(key, val, vtype)
-    for key, (val, vtype) in (meta or {}).items():
+    for key, (val, vtype, *sub) in (meta or {}).items():  # (value, type[, array element type: default STRING])
         if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, val, vtype, sub_type=gguf.GGUFValueType.STRING)
+            w.add_key_value(key, val, vtype, sub_type=sub[0] if sub else gguf.GGUFValueType.STRING)
         else:
             w.add_key_value(key, val, vtype)
     for t in r.tensors:
@@ -148,6 +148,39 @@ def test_bad_metadata_values_name_the_key(good, tmp_path, key, value, vtype, mat
     p = rewrite(good, str(tmp_path / "meta.gguf"), meta={key: (value, _v(vtype))})
     with pytest.raises(MetadataError, match=match):
         fucina_jax.load(p)
+
+
+@pytest.mark.parametrize("count", [2**63, 2**64 - 1, 10**9])
+def test_a_string_array_count_past_the_end(good, tmp_path, count):
+    import struct
+
+    raw = bytearray(open(good, "rb").read())
+    at = raw.index(b"tokenizer.ggml.tokens" + struct.pack("<II", 9, 8)) + len("tokenizer.ggml.tokens") + 8
+    raw[at:at + 8] = struct.pack("<Q", count)
+    p = tmp_path / "count.gguf"
+    p.write_bytes(bytes(raw))
+    with pytest.raises(GGUFError, match="truncated or corrupt"):
+        fucina_jax.load(str(p))
+
+
+@pytest.mark.parametrize("sub, value, match", [
+    ("UINT64", 2**63, "must be int32"),
+    ("STRING", "x", "must be int32"),
+    ("INT64", 2**40, None),  # an unknown type: loads (UNDEFINED, as llama.cpp), with no table sized by the value
+    ("INT32", -7, None),
+])
+def test_token_types_out_of_range_or_not_integers(good, tmp_path, sub, value, match):
+    from fucina_jax.errors import TokenizerError
+
+    n = fucina_jax.load(good).config.n_vocab
+    p = rewrite(good, str(tmp_path / "types.gguf"),
+                meta={"tokenizer.ggml.token_type": ([value] * n, _v("ARRAY"), _v(sub))})
+    if match is None:
+        tok = fucina_jax.load(p).tokenizer
+        assert set(tok.token_types) == {value} and len(tok.encode("ab")) > 0
+    else:
+        with pytest.raises(TokenizerError, match=match):
+            fucina_jax.load(p).tokenizer
 
 
 def test_llama_rope_must_rotate_the_whole_head(fixture_path, tmp_path):
