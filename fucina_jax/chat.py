@@ -32,8 +32,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from fucina_jax.chat_template import ChatTemplate, chat_template_for, encode_chat
+from fucina_jax.checks import is_int, undecodable_byte
 from fucina_jax.errors import ChatOptionsError, ContextFullError, FucinaError
-from fucina_jax.model import Model, is_int
+from fucina_jax.model import Model
 from fucina_jax.sampling import SamplerConfig, validated_config
 
 __all__ = ["ChatOptions", "Conversation", "Reply", "TurnGate", "repl"]
@@ -58,6 +59,8 @@ class ChatOptions:
     clock: bool = True  # feed wall-clock step costs to the cost gate (False: the static cost table only)
 
     def validate(self, n_vocab: int) -> ChatOptions:
+        if self.system is not None and not isinstance(self.system, str):
+            raise TypeError(f"system must be a str (or None), got {type(self.system).__name__} {self.system!r}")
         if not is_int(self.max_tokens):
             raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__} {self.max_tokens!r}")
         if self.max_tokens < 1:
@@ -353,8 +356,9 @@ class Conversation:
         if self.gate is None:
             raise ChatOptionsError("reference documents feed speculation: create the Conversation with "
                                    "speculation=True (--spec)")
-        ids = self.model.tokenizer.encode(doc, add_special=False) if isinstance(doc, str) else list(doc)
-        arr = np.asarray(ids, np.int32)
+        from fucina_jax.spec.decoder import reference_ids
+
+        arr = reference_ids(self.model, doc)
         n = self.gate.add_reference(arr)
         self._refs.append(arr)
         return n
@@ -539,6 +543,11 @@ def repl(conv: Conversation, *, out=None, err=None, prompt: str = "> ", read=inp
             continue
         line = line.strip()
         if not line:
+            continue
+        bad = undecodable_byte(line)
+        if bad is not None:
+            print(f"error: the line is not valid UTF-8 (byte 0x{bad[1]:02x} at character {bad[0]}); type it again",
+                  file=err, flush=True)
             continue
         if line.startswith("/"):
             cmd, _, arg = line.partition(" ")

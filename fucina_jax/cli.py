@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
+from fucina_jax.checks import undecodable_byte
 from fucina_jax.errors import FucinaError
 
 __all__ = ["main", "build_parser"]
@@ -30,6 +32,13 @@ class CLIError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    # argparse takes only -5 and -.5 for negative numbers; anything else starting with '-' is an option and
+    # `--temp -inf` would say "expected one argument". Every float() spelling is a value here.
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?$|^-(inf|infinity|nan)$",
+                                                   re.IGNORECASE)
+
     def error(self, message):  # one clear line instead of usage + message
         raise CLIError(message)
 
@@ -106,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--spec-ref", action="append", default=[], metavar="FILE",
                     help=f"a reference document the model may quote (implies --spec; repeatable, up to "
                          f"{MAX_SPEC_REFS}), tokenized with the model's tokenizer")
-    sp.add_argument("--max-draft", type=_nonneg_int("--max-draft"), default=None,
+    sp.add_argument("--max-draft", type=int, default=None,
                     help="longest draft per verify, 1..15 (implies --spec; default 15)")
     sp.add_argument("--cost-table", default=None, metavar="FILE",
                     help="verify-cost table JSON written by --spec-bench, for the cost gate (implies --spec; "
@@ -186,7 +195,9 @@ def _spec_args(args):
         if not text:
             raise CLIError(f"--spec-ref {path} is empty")
         refs.append(text)
-    options = SpecOptions() if args.max_draft is None else SpecOptions(max_draft=args.max_draft)
+    options = SpecOptions()
+    if args.max_draft is not None:  # --max-draft 1 verifies 1-token drafts: the shortest draft follows it down
+        options = SpecOptions(max_draft=args.max_draft, min_draft=min(options.min_draft, args.max_draft))
     if args.cost_table is not None:
         import dataclasses
 
@@ -227,9 +238,9 @@ def run(args) -> int:
         prompt = _read_text("-")
     elif args.prompt is not None:
         prompt = args.prompt
-        bad = next((i for i, ch in enumerate(prompt) if "\udc80" <= ch <= "\udcff"), None)
-        if bad is not None:  # Python keeps undecodable argv bytes as lone surrogates (surrogateescape)
-            raise CLIError(f"--prompt is not valid UTF-8 (byte 0x{ord(prompt[bad]) - 0xDC00:02x} at character {bad}): "
+        bad = undecodable_byte(prompt)
+        if bad is not None:
+            raise CLIError(f"--prompt is not valid UTF-8 (byte 0x{bad[1]:02x} at character {bad[0]}): "
                            "pass UTF-8 text, or read the prompt from a file with --prompt-file")
     else:
         prompt = ""
@@ -244,6 +255,8 @@ def run(args) -> int:
         raise CLIError("--chat needs the user message: give --prompt (or --prompt-file)")
     if args.system is not None and not chatting:
         raise CLIError("--system applies to --chat and --repl only")
+    if args.spec_bench_out != DEFAULT_SPEC_BENCH_OUT and not args.spec_bench:
+        raise CLIError("--spec-bench-out applies to --spec-bench only")
     if args.spec_bench:
         if chatting:
             raise CLIError("--spec-bench measures the model and exits: it cannot be combined with --chat/--repl")

@@ -91,3 +91,7 @@ class CostTableError(SpecOptionsError):
 
 class ChatOptionsError(FucinaError, ValueError):
     """A chat option (fucina_jax.chat.ChatOptions) is invalid, or two options cannot be combined."""
+
+
+class CacheMemoryError(FucinaError, MemoryError):
+    """A KV cache of the requested size does not fit in the machine's memory."""

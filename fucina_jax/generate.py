@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import aot, engine, sampling
+from fucina_jax.checks import is_int
 from fucina_jax.errors import ContextFullError
-from fucina_jax.model import Model, is_int
+from fucina_jax.model import Model
 from fucina_jax.models import fitted_capacity
 from fucina_jax.sampling import SamplerConfig
 

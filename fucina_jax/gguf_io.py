@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,9 @@ def _check_path(path: str | os.PathLike) -> str:
         raise FileNotFoundError(f"model file not found: {path!r} (pass the path of a .gguf file)")
     if os.path.isdir(path):
         raise GGUFError(f"{path!r} is a directory, not a GGUF file")
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would hang or fail to map: GGUF files are read at offsets
+        raise GGUFError(f"{path!r} is not a regular file (a pipe, socket or device): save the model to a file "
+                        "and pass its path")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import engine
+from fucina_jax.checks import is_int
 from fucina_jax.errors import ContextFullError, FucinaError
 from fucina_jax.gguf_io import GGUFFile, open_gguf
 from fucina_jax.models import architecture, init_cache, truncate
@@ -89,11 +90,6 @@ def default_model_path() -> str:
     except OSError:
         pass
     return str(path)
-
-
-def is_int(v) -> bool:
-    """An integer argument: a Python or NumPy int, not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _n_vocab(gf: GGUFFile) -> int:
@@ -194,13 +190,22 @@ class Model:
         if isinstance(ids, (str, bytes, bytearray)):
             raise TypeError(f"token ids are expected, got {type(ids).__name__}: encode text with "
                             "model.tokenizer.encode(text) (Model.generate also takes a str)")
-        a = np.asarray(ids)
-        if a.dtype == object and a.ndim == 0:  # an iterator, a set, ...
-            try:
+        if isinstance(ids, (set, frozenset, dict)):
+            raise TypeError(f"token ids must be an ordered sequence of ints, got a {type(ids).__name__}")
+        try:
+            a = np.asarray(ids)
+            if a.dtype == object and a.ndim == 0:  # an iterator, a generator, ...
                 a = np.asarray(list(ids))
-            except TypeError:
-                raise TypeError(f"token ids must be a sequence of ints, got {type(ids).__name__}") from None
-        a = a.reshape(-1)
+        except (TypeError, ValueError):  # not iterable, or ragged nested lists
+            raise TypeError(f"token ids must be a flat sequence of ints, got {type(ids).__name__}") from None
+        if a.ndim == 0:
+            raise TypeError(f"token ids must be a sequence of ints, got a single {type(ids).__name__}: wrap it in "
+                            "a list")
+        if a.ndim == 2 and a.shape[0] == 1:  # one prompt as a [1, T] batch
+            a = a[0]
+        if a.ndim != 1:
+            raise ValueError(f"token ids must be one prompt (a flat sequence, or [1, T]), got an array of shape "
+                             f"{a.shape}: run several prompts with fucina_jax.spec.generate_batched")
         if a.size == 0:
             return a.astype(np.int32)
         if a.dtype == object:  # Python ints past int64, or mixed types

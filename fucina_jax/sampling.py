@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import aot
+from fucina_jax.checks import is_int, is_real
 from fucina_jax.errors import SamplerConfigError
 
 __all__ = [
@@ -132,12 +133,6 @@ class SamplerConfig:
         def bad(name: str, value, why: str) -> SamplerConfigError:
             return SamplerConfigError(f"{name} = {value!r} is invalid: {why}")
 
-        def is_int(v) -> bool:
-            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-        def is_real(v) -> bool:
-            return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-
         def f32_finite(v, reciprocal: bool = False) -> bool:
             # The pipeline computes in float32 (as llama.cpp does): 1e39 or 1 / 1e-45 overflow there.
             with np.errstate(over="ignore", divide="ignore"):
@@ -158,8 +153,10 @@ class SamplerConfig:
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "it must be in [0, 1] (0 disables min-p)")
         # llama.cpp rejects these too (common_sampler_init): 1/penalty must stay finite.
-        if self.repeat_penalty <= 0.0 or not f32_finite(self.repeat_penalty, reciprocal=True):
+        if self.repeat_penalty <= 0.0:
             raise bad("repeat_penalty", self.repeat_penalty, "it must be > 0 (1 disables it)")
+        if not f32_finite(self.repeat_penalty, reciprocal=True):  # logits are multiplied by its float32 reciprocal
+            raise bad("repeat_penalty", self.repeat_penalty, "its reciprocal overflows float32 (use >= 3e-39)")
         if self.repeat_last_n < -1:
             raise bad("repeat_last_n", self.repeat_last_n, "it must be >= -1 (0 disables penalties, -1 = context)")
         if self.min_keep < 0:

@@ -924,6 +924,8 @@ class Tokenizer:
         return self._token_to_id.get(text)
 
     def _check_id(self, token_id: int) -> int:
+        if not isinstance(token_id, (int, np.integer)) or isinstance(token_id, bool):
+            raise TypeError(f"a token id is an int, got {type(token_id).__name__} {token_id!r}")
         if not 0 <= token_id < len(self._texts):
             raise TokenizerError(f"token id {token_id} is outside the vocabulary (0..{len(self._texts) - 1})")
         return token_id
@@ -1177,6 +1179,8 @@ class Tokenizer:
         if self._pieces is None:
             self._build_pieces()
         table = self._pieces_plain if skip_special else self._pieces
+        if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
+            raise TypeError(f"decode takes a sequence of token ids, got {type(ids).__name__}")
         ids = ids if isinstance(ids, list) else list(ids)
         try:
             if ids and min(ids) < 0:  # a negative id would index from the end of the table
@@ -1184,12 +1188,14 @@ class Tokenizer:
             return b"".join(table[i] for i in ids)
         except (IndexError, TypeError):
             bad = next(i for i in ids if not isinstance(i, (int, np.integer)) or not 0 <= i < len(table))
+            if not isinstance(bad, (int, np.integer)):
+                raise TypeError(f"token ids are ints, got {type(bad).__name__} {bad!r}") from None
             raise TokenizerError(f"cannot decode token id {bad!r}: outside the vocabulary (0..{len(table) - 1})") \
                 from None
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of a token sequence; bytes that do not form valid UTF-8 (a cut-off character) become U+FFFD."""
-        return self.decode_bytes(list(ids), skip_special).decode("utf-8", errors="replace")
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
 
     def stream_decoder(self, skip_special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special=skip_special)

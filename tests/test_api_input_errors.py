@@ -163,3 +163,63 @@ def test_ctx_and_capacity_are_validated(model):
     with pytest.raises(ValueError, match="batch"):
         model.new_cache(16, 0)
     assert model.new_cache(None).capacity >= model.default_ctx
+
+
+@pytest.mark.parametrize("prompt, error, needle", [
+    ([[5, 6], [7, 8]], ValueError, r"one prompt .* shape \(2, 2\)"),  # a batch is not silently one long prompt
+    (5, TypeError, "single int"),
+    ({5, 6}, TypeError, "ordered"),
+    ({5: 1}, TypeError, "ordered"),
+    ([[5, 6], [7]], TypeError, "flat sequence"),
+])
+def test_prompt_ids_are_one_flat_sequence(model, prompt, error, needle):
+    with pytest.raises(error, match=needle):
+        model.generate(prompt, 3, temperature=0)
+
+
+def test_one_prompt_as_a_1_by_t_batch_is_that_prompt(model):
+    flat = [t for t in model.generate([5, 6, 7], 4, temperature=0)]
+    assert [t for t in model.generate(np.array([[5, 6, 7]]), 4, temperature=0)] == flat
+    assert [t for t in model.generate(iter([5, 6, 7]), 4, temperature=0)] == flat
+
+
+def test_generate_batched_checks_its_arguments(model):
+    from fucina_jax.spec import generate_batched
+
+    with pytest.raises(TypeError, match="list of prompts"):
+        generate_batched(model, [5, 6, 7], max_tokens=2)  # one prompt, not 3 one-token prompts
+    with pytest.raises(TypeError, match="SpecOptions"):
+        generate_batched(model, [[5, 6]], options="x")
+    with pytest.raises(TypeError, match="draft source"):
+        generate_batched(model, [[5, 6], [7]], sources=["x", "y"])
+    with pytest.raises(TypeError, match="clock"):
+        generate_batched(model, [[5, 6]], clock="x")
+
+
+@pytest.mark.parametrize("doc, needle", [(b"abc", "bytes"), (None, "NoneType"), (5, "int 5")])
+def test_reference_documents_are_text_or_ids(model, doc, needle):
+    with pytest.raises(TypeError, match=needle):
+        model.generate([5, 6], 2, spec=True, references=[doc])
+    conv = chat.Conversation(model, speculation=True)
+    with pytest.raises(TypeError, match=needle):
+        conv.add_spec_reference(doc)
+
+
+def test_wrong_types_in_tokenizer_and_chat_options(model):
+    tok = model.tokenizer
+    for bad in ("abc", None, 5):
+        with pytest.raises(TypeError, match="sequence of token ids"):
+            tok.decode(bad)
+    with pytest.raises(TypeError, match="token ids are ints"):
+        tok.decode([5, "a"])
+    with pytest.raises(TypeError, match="token id is an int"):
+        tok.stream_decoder().feed("a")
+    with pytest.raises(TypeError, match="system"):
+        chat.Conversation(model, system=5)
+
+
+def test_a_cache_larger_than_memory_is_a_clear_error(model):
+    from fucina_jax.errors import CacheMemoryError
+
+    with pytest.raises(CacheMemoryError, match=r"KV cache of \d+ positions x 1 row\(s\) needs .* GiB"):
+        model.new_cache(2**40)

@@ -284,3 +284,17 @@ def test_cli_chat_one_turn(fixture_path, load_model, capsys):
 def test_cli_chat_errors(fixture_path, capsys, argv, needle):
     rc, out, err = run_cli([fixture_path("qwen3"), *argv], capsys)
     assert rc == 2 and needle in err and err.count("\n") == 1
+
+
+def test_repl_refuses_a_line_that_is_not_utf8_and_goes_on(fixture_path, load_model):
+    """stdin keeps undecodable bytes as lone surrogates: the line is refused with its byte, the session goes on."""
+    import io
+
+    from fucina_jax.chat import repl
+
+    conv = Conversation(load_model(fixture_path("qwen3")), ChatOptions(sampler=GREEDY, max_tokens=3, ctx=128))
+    lines = iter(["ok \udcff\udcfe", "hello", "/quit"])
+    out, err = io.StringIO(), io.StringIO()
+    assert repl(conv, out=out, err=err, read=lambda _: next(lines)) == 0
+    assert "error: the line is not valid UTF-8 (byte 0xff at character 3)" in err.getvalue()
+    assert conv.turns == 1 and conv.last_reply.text in out.getvalue()

@@ -110,6 +110,11 @@ def test_cli_json_on_fixture(fixture_path, capsys):
     (["-p", "hello \udcff world"], "--prompt is not valid UTF-8 (byte 0xff at character 6)"),  # argv's own escape
     (["--tokenize", "-", "--spec", "--gen", "5"], "cannot be combined with --gen, --spec"),  # would be ignored
     (["--tokenize", "-", "--temp", "0"], "cannot be combined with --temperature"),
+    (["--max-draft", "-1"], "--max-draft must be in [1, 15], got -1"),
+    (["--repeat-penalty", "1e-45"], "reciprocal overflows float32"),
+    (["--temp", "-inf"], "temperature = -inf is invalid"),  # a value, not an option: argparse's own view of '-'
+    (["--presence-penalty", "-1e-3", "--top-p", "2"], "--top-p"),  # -1e-3 parsed as a value
+    (["-p", "hi", "--spec-bench-out", "x"], "--spec-bench-out applies to --spec-bench only"),
 ])
 def test_cli_bad_input_is_one_line(argv, needle, capsys):
     rc, out, err = run_cli(argv, capsys)

@@ -81,6 +81,13 @@ def test_not_gguf(tmp_path):
         fucina_jax.load(p)
 
 
+def test_a_pipe_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)  # no writer: opening it to read would block forever
+    with pytest.raises(GGUFError, match="not a regular file"):
+        fucina_jax.load(str(fifo))
+
+
 def test_empty_file(tmp_path):
     p = tmp_path / "empty.gguf"
     p.write_bytes(b"")

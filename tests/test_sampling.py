@@ -111,7 +111,7 @@ def test_validate_resolves_a_random_seed_once():
 @pytest.mark.parametrize("field,value,needle", [
     ("top_p", 1.5, "[0, 1]"), ("top_p", -0.1, "[0, 1]"), ("top_k", -1, ">= 0"), ("top_k", 2.5, "integer"),
     ("min_p", 1.01, "[0, 1]"), ("min_p", -0.5, "[0, 1]"), ("repeat_last_n", -2, ">= -1"),
-    ("repeat_penalty", 0.0, "> 0"), ("repeat_penalty", -1.0, "> 0"), ("repeat_penalty", 1e-45, "> 0"),
+    ("repeat_penalty", 0.0, "> 0"), ("repeat_penalty", -1.0, "> 0"), ("repeat_penalty", 1e-45, "reciprocal overflows"),
     ("temperature", float("nan"), "finite"), ("frequency_penalty", float("inf"), "finite"),
     ("presence_penalty", "0.5", "finite"), ("min_keep", -1, ">= 0"), ("seed", -1, "[0, 4294967295]"),
     ("seed", 2**32, "[0, 4294967295]"), ("top_k", True, "integer"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -72,11 +73,28 @@ def test_the_four_validation_errors(kw, err):
         dict(cost_table=(CostPoint(0, 1.0),)),
         dict(cost_table=(CostPoint(2, 0.0),)),
         dict(cost_table=((2, 1.5),)),
+        dict(min_draft=4, max_draft=3),
     ],
 )
 def test_other_degenerate_options(kw):
     with pytest.raises(SpecOptionsError):
         CostGate(SpecOptions(**kw))
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(max_draft=2.5), "max_draft = 2.5 is invalid: it must be an int"),
+    (dict(max_draft="4"), "max_draft = '4' is invalid"),
+    (dict(rate_window=None), "rate_window = None"),
+    (dict(reprobe_after=1.5), "reprobe_after = 1.5"),
+    (dict(min_speedup=None), "min_speedup = None is invalid: it must be a number"),
+    (dict(enabled="no"), "enabled = 'no' is invalid: it must be a bool"),
+    (dict(cost_table=(CostPoint(1, "1"),)), "cost_table"),
+    (dict(cost_table=(CostPoint(1.5, 1.0),)), "cost_table"),
+    (dict(cost_table="table"), "cost_table must be a tuple"),
+])
+def test_option_types_are_checked_by_name(kw, needle):
+    with pytest.raises(SpecOptionsError, match=re.escape(needle)):
+        SpecOptions(**kw).validate()
 
 
 def test_table_cost_interpolates_and_clamps():

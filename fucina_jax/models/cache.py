@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import aot
+from fucina_jax.errors import CacheMemoryError
 from fucina_jax.models.config import ModelConfig
 
 __all__ = ["KVCache", "fitted_capacity", "init_cache", "truncate"]
@@ -65,8 +66,37 @@ def init_cache(cfg: ModelConfig, capacity: int, batch: int = 1, dtype=None) -> K
         if spec.writes_kv:
             shapes[spec.kv_slot] = (spec.n_kv_heads, spec.head_dim)
     n = cfg.n_kv_slots
-    kv = _zeros(tuple((batch, capacity, *shapes[slot]) for slot in range(n)) * 2, jnp.dtype(dtype))
+    dtype = jnp.dtype(dtype)
+    need = 2 * batch * capacity * dtype.itemsize * sum(h * d for h, d in shapes.values())
+    free = _available_bytes()
+    if free is not None and need > free:
+        raise CacheMemoryError(_cache_message(need, free, capacity, batch, dtype))
+    try:
+        kv = _zeros(tuple((batch, capacity, *shapes[slot]) for slot in range(n)) * 2, dtype)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise CacheMemoryError(_cache_message(need, free, capacity, batch, dtype)) from None
     return KVCache(k=kv[:n], v=kv[n:], length=jax.device_put(np.zeros((batch,), np.int32)))
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable + free swap from /proc/meminfo (None where there is none: the allocation itself then tells)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.split()[1:2] != []}
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemAvailable" not in info:
+        return None
+    return info["MemAvailable"] + info.get("SwapFree", 0)
+
+
+def _cache_message(need: int, free: int | None, capacity: int, batch: int, dtype) -> str:
+    have = f"; the machine has {free / 2**30:.1f} GiB available" if free is not None else ""
+    half = " (--cache-type f16 / cache_type='f16' halves it)" if dtype == jnp.float32 else ""
+    return (f"a KV cache of {capacity} positions x {batch} row(s) needs {need / 2**30:.1f} GiB of {dtype.name}"
+            f"{half}{have}: use a smaller context (--ctx / ctx=) or fewer tokens to generate (--gen / max_tokens=)")
 
 
 @aot.jit(static_argnames=("shapes", "dtype"))

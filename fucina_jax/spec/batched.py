@@ -55,7 +55,7 @@ from fucina_jax.models import forward_hidden, truncate, unembed
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import ModelConfig
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec.decoder import SpecStats
+from fucina_jax.spec.decoder import SpecStats, check_spec_args
 from fucina_jax.spec.gate import MAX_DRAFT, CostGate, SpecOptions, table_cost
 from fucina_jax.spec.steps import feedback_topk
 
@@ -445,9 +445,15 @@ def generate_batched(
     with the static cost table only. Timing: prompt_seconds is the shared prefill; decode_seconds is the wall time
     of the steps the row was active in (the row shares them with the batch).
     """
+    if isinstance(prompts, np.ndarray):
+        prompts = list(prompts)  # a [B, T] array: its rows
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
+            len(prompts) and all(isinstance(p, (int, np.integer)) for p in prompts)):
+        raise TypeError("prompts must be a list of prompts, each a list of token ids (one prompt: [ids])")
     B = len(prompts)
     if B < 1:
         raise ValueError("no prompts: give at least one")
+    check_spec_args(options, sources or [], clock)
     maxes = _per_row(max_tokens, B, "max_tokens")
     if stop_ids is None or (isinstance(stop_ids, (list, tuple, set, frozenset)) and
                             all(isinstance(t, (int, np.integer)) for t in stop_ids)):

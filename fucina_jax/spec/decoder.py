@@ -370,6 +370,31 @@ class SpeculativeDecoder:
         return out
 
 
+def check_spec_args(options, sources, clock) -> None:
+    """TypeErrors for generate_speculative's and generate_batched's options, draft sources and clock."""
+    if options is not None and not isinstance(options, SpecOptions):
+        raise TypeError(f"options must be a fucina_jax.spec.SpecOptions (or None), got {type(options).__name__}: "
+                        "e.g. SpecOptions(max_draft=8)")
+    for source in sources:
+        if source is not None and not all(callable(getattr(source, f, None)) for f in ("suggest", "observe")):
+            raise TypeError(f"source must be a draft source (fucina_jax.index.DraftSource, e.g. a "
+                            f"SpeculationIndex), got {type(source).__name__}")
+    if not isinstance(clock, bool) and clock is not None and not callable(clock):
+        raise TypeError(f"clock must be True, False or a function returning nanoseconds, got {type(clock).__name__}")
+
+
+def reference_ids(model, doc) -> np.ndarray:
+    """A reference document as int32 token ids: text is encoded with the model's tokenizer (no BOS), a sequence
+    of ids is checked against the vocabulary."""
+    if isinstance(doc, str):
+        return np.asarray(model.tokenizer.encode(doc, add_special=False), np.int32)
+    if isinstance(doc, (bytes, bytearray)):
+        raise TypeError("a reference document is text (str) or token ids, got bytes: decode it first")
+    if doc is None or isinstance(doc, (int, np.integer)):
+        raise TypeError(f"a reference document is text (str) or token ids, got {type(doc).__name__} {doc!r}")
+    return np.asarray(model.check_ids(doc), np.int32)
+
+
 def generate_speculative(
     model,
     prompt_ids: Iterable[int],
@@ -392,12 +417,7 @@ def generate_speculative(
     time.perf_counter_ns for the gate's live cost model, False prices verifies from the static table only.
     """
     prompt, cfg, ctx, stops = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
-    if options is not None and not isinstance(options, SpecOptions):
-        raise TypeError(f"options must be a fucina_jax.spec.SpecOptions (or None), got {type(options).__name__}: "
-                        "e.g. SpecOptions(max_draft=8)")
-    if source is not None and not all(callable(getattr(source, f, None)) for f in ("suggest", "observe")):
-        raise TypeError(f"source must be a draft source (fucina_jax.index.DraftSource, e.g. a SpeculationIndex), "
-                        f"got {type(source).__name__}")
+    check_spec_args(options, [source], clock)
     if isinstance(references, (str, bytes)):
         raise TypeError(f"references must be a list of documents (text or token ids), got a "
                         f"{type(references).__name__}: pass one document as [doc]")
@@ -412,8 +432,7 @@ def generate_speculative(
                 f"{type(source).__name__}"
             )
         for doc in references:
-            ids = model.tokenizer.encode(doc, add_special=False) if isinstance(doc, str) else doc
-            source.add_reference(np.asarray(list(ids), np.int32))
+            source.add_reference(reference_ids(model, doc))
     tick = time.perf_counter_ns if clock is True else (clock or None)
     decoder = SpeculativeDecoder(model, source, sampler=cfg, ctx=ctx, options=options, clock=tick,
                                  slots=fitted_capacity(len(prompt) + max_tokens, ctx))

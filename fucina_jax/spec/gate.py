@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import math
 
+from fucina_jax.checks import is_int, is_real
 from fucina_jax.errors import (
     CostTableEmpty,
     ProbeStepsZero,
@@ -62,6 +63,10 @@ DEFAULT_COST_TABLE: tuple[CostPoint, ...] = tuple(CostPoint(d, c) for d, c in re
 MAX_DRAFT = 15
 
 
+_FIELD_TYPES = {"int": (is_int, "an int"), "float": (is_real, "a number"),
+                "bool": (lambda v: isinstance(v, bool), "a bool")}
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecOptions:
     """The speculative decoder's knobs; the defaults are the design record's policy constants."""
@@ -81,6 +86,13 @@ class SpecOptions:
 
     def validate(self) -> SpecOptions:
         """Check every value (the gate's four degenerate settings raise their own error types)."""
+        for f in dataclasses.fields(self):  # the annotations are strings (postponed evaluation)
+            check, what = _FIELD_TYPES.get(f.type, (None, ""))
+            if check is not None and not check(getattr(self, f.name)):
+                raise SpecOptionsError(f"{f.name} = {getattr(self, f.name)!r} is invalid: it must be {what}")
+        if not isinstance(self.cost_table, (tuple, list)):
+            raise SpecOptionsError(f"cost_table must be a tuple of CostPoint(draft_len, cost), got "
+                                   f"{type(self.cost_table).__name__}")
         if self.rate_window < 2:
             raise RateWindowTooSmall(
                 f"rate_window = {self.rate_window} is invalid: the gate needs a window of >= 2 verify steps "
@@ -106,6 +118,9 @@ class SpecOptions:
             )
         if self.min_draft < 1:
             raise SpecOptionsError(f"min_draft = {self.min_draft} is invalid: it must be >= 1 (the default is 2)")
+        if self.min_draft > self.max_draft:
+            raise SpecOptionsError(f"min_draft = {self.min_draft} is above max_draft = {self.max_draft}: no draft "
+                                   "would ever be verified; to turn speculation off use enabled=False")
         if self.reprobe_max < self.reprobe_after:
             raise SpecOptionsError(
                 f"reprobe_max = {self.reprobe_max} is below reprobe_after = {self.reprobe_after}: the backoff "
@@ -119,7 +134,8 @@ class SpecOptions:
                 raise SpecOptionsError(f"{name} = {v!r} is invalid: it must be a finite number >= 0")
         last = 0
         for p in self.cost_table:
-            if not isinstance(p, CostPoint) or p.draft_len <= last or not (math.isfinite(p.cost) and p.cost > 0):
+            if not isinstance(p, CostPoint) or not is_int(p.draft_len) or not is_real(p.cost) or \
+                    p.draft_len <= last or not (math.isfinite(p.cost) and p.cost > 0):
                 raise SpecOptionsError(
                     f"cost_table = {self.cost_table!r} is invalid: it must be CostPoint(draft_len, cost) entries "
                     "with strictly increasing draft_len >= 1 and finite costs > 0"
