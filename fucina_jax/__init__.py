@@ -4,6 +4,7 @@
 """
 
 from fucina_jax.errors import (
+    CacheMemoryError,
     ContextFullError,
     FucinaError,
     GGUFError,
@@ -27,6 +28,7 @@ __all__ = [
     "UnsupportedArchitectureError",
     "UnsupportedTensorTypeError",
     "ContextFullError",
+    "CacheMemoryError",
 ]
 
 
