@@ -19,6 +19,7 @@ from fucina_jax.errors import (
 __all__ = [
     "load",
     "Model",
+    "clear_caches",
     "FucinaError",
     "GGUFError",
     "MetadataError",
@@ -37,4 +38,8 @@ def __getattr__(name):
         from fucina_jax import model
 
         return getattr(model, name)
+    if name == "clear_caches":  # drop every compiled program held in this process (fucina_jax.aot.clear)
+        from fucina_jax import aot
+
+        return aot.clear
     raise AttributeError(f"module 'fucina_jax' has no attribute {name!r}")

@@ -44,11 +44,12 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 import jax
 import numpy as np
 
-__all__ = ["COMPILED", "LOADED", "jit"]
+__all__ = ["COMPILED", "LOADED", "clear", "jit"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,23 @@ def jit(fun=None, *, static_argnames=(), donate_argnames=()):
     """Decorator: `@aot.jit(static_argnames=..., donate_argnames=...)`, the jax.jit arguments it takes."""
     if fun is None:
         return functools.partial(jit, static_argnames=static_argnames, donate_argnames=donate_argnames)
-    return Step(fun, tuple(static_argnames), tuple(donate_argnames))
+    step = Step(fun, tuple(static_argnames), tuple(donate_argnames))
+    _STEPS.add(step)
+    return step
+
+
+_STEPS: weakref.WeakSet = weakref.WeakSet()  # every Step, for clear()
+
+
+def clear() -> None:
+    """Drop every compiled program this process holds: the Steps' and jax.jit's (jax.clear_caches). Each model shape
+    compiles its own programs, and their machine code stays mapped while they are held; a process that loads many
+    differently shaped models in turn runs out of memory maps (LLVM: "Unable to allocate section memory") unless
+    it clears them. The next call of a step loads its program from the persistent store or compiles it again."""
+    for step in list(_STEPS):
+        step._programs.clear()
+        step._recent.clear()
+    jax.clear_caches()
 
 
 class Step:

@@ -216,3 +216,16 @@ def test_programs_are_keyed_to_the_kernel_build(tmp_path, monkeypatch):
     this_build = aot._program_path("f", lowered)
     monkeypatch.setattr(aot, "_native", lambda: b"another build of the kernels")
     assert aot._program_path("f", lowered) != this_build
+
+
+def test_clear_caches_drops_every_program_and_the_steps_still_work(store_on):
+    """A long-lived process that loads many model shapes frees their programs with fucina_jax.clear_caches()."""
+    import fucina_jax
+
+    p = {"w": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)}
+    first = np.asarray(_scaled(p, jnp.ones(4), 2.0))
+    assert _scaled._cache_size() > 0
+    fucina_jax.clear_caches()
+    assert _scaled._cache_size() == 0
+    np.testing.assert_array_equal(_scaled(p, jnp.ones(4), 2.0), first)
+    assert _scaled._cache_size() > 0
