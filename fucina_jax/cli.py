@@ -195,9 +195,7 @@ def _spec_args(args):
         if not text:
             raise CLIError(f"--spec-ref {path} is empty")
         refs.append(text)
-    options = SpecOptions()
-    if args.max_draft is not None:  # --max-draft 1 verifies 1-token drafts: the shortest draft follows it down
-        options = SpecOptions(max_draft=args.max_draft, min_draft=min(options.min_draft, args.max_draft))
+    options = SpecOptions() if args.max_draft is None else SpecOptions.up_to(args.max_draft)
     if args.cost_table is not None:
         import dataclasses
 

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     greedy = SamplerConfig(temperature=0.0, seed=0)
     modes = {"plain": SpecOptions(enabled=False, max_draft=args.max_draft)}
     if args.spec:
-        modes["spec"] = SpecOptions(max_draft=args.max_draft, min_draft=min(SpecOptions.min_draft, args.max_draft))
+        modes["spec"] = SpecOptions.up_to(args.max_draft)
 
     def run(B, options):
         rows = [prompts[b % len(prompts)] for b in range(B)]

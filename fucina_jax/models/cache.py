@@ -83,8 +83,8 @@ def init_cache(cfg: ModelConfig, capacity: int, batch: int = 1, dtype=None) -> K
 def _available_bytes() -> int | None:
     """MemAvailable + free swap from /proc/meminfo (None where there is none: the allocation itself then tells)."""
     try:
-        with open("/proc/meminfo") as f:
-            info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.split()[1:2] != []}
+        with open("/proc/meminfo") as f:  # "MemAvailable:   23891264 kB"
+            info = {key: int(rest.split()[0]) * 1024 for key, _, rest in (ln.partition(":") for ln in f)}
     except (OSError, ValueError, IndexError):
         return None
     if "MemAvailable" not in info:

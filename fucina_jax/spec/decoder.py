@@ -392,7 +392,7 @@ def reference_ids(model, doc) -> np.ndarray:
         raise TypeError("a reference document is text (str) or token ids, got bytes: decode it first")
     if doc is None or isinstance(doc, (int, np.integer)):
         raise TypeError(f"a reference document is text (str) or token ids, got {type(doc).__name__} {doc!r}")
-    return np.asarray(model.check_ids(doc), np.int32)
+    return model.check_ids(doc)
 
 
 def generate_speculative(

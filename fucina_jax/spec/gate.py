@@ -84,6 +84,12 @@ class SpecOptions:
     cost_table: tuple[CostPoint, ...] = DEFAULT_COST_TABLE
     adapt_budget: bool = True  # cap the draft by the window's acceptance rate
 
+    @classmethod
+    def up_to(cls, max_draft: int) -> SpecOptions:
+        """The defaults with drafts of at most max_draft tokens; the shortest verified draft follows it down, so
+        max_draft 1 verifies 1-token drafts (--max-draft)."""
+        return cls(max_draft=max_draft, min_draft=min(cls.min_draft, max_draft))
+
     def validate(self) -> SpecOptions:
         """Check every value (the gate's four degenerate settings raise their own error types)."""
         for f in dataclasses.fields(self):  # the annotations are strings (postponed evaluation)

@@ -22,8 +22,8 @@ def open_llama_cpp(path: str, **kw):
     llama.cpp's AMX matmul (ggml_backend_amx_mul_mat) segfaults on the first decode on some AMX machines: seen here on
     a 2-core AMX-INT8 Xeon VM with the embedded Gemma 3 270M Q4_K_M and every Q4_0/Q8_0 fixture (llama.cpp issue
     #20824, machine-dependent, closed unfixed). The extra buffer types are AMX and CPU_REPACK; without them llama.cpp
-    runs its plain CPU kernels, which are slower but right. `.ci/run` builds llama.cpp without AMX (-mno-amx-*), so
-    there CPU_REPACK stays on and this only applies to a llama.cpp built elsewhere.
+    runs its plain CPU kernels, which are slower but right. A llama.cpp built without AMX (-mno-amx-*, see the
+    README) keeps CPU_REPACK: this changes nothing for it.
     """
     import llama_cpp
     import llama_cpp.llama as module
