@@ -399,6 +399,29 @@ def test_attention_kernel_matches_the_definition(window, H, K, Dh):
     assert not np.array_equal(half, got)  # the rounding to fp16 did change the inputs
 
 
+@pytest.mark.parametrize("H, K, Dh, S", [(4, 1, 256, 600), (3, 1, 80, 2100)], ids=["gemma3-270m", "gqa3-vtail"])
+def test_attention_split_block_gives_the_one_thread_bits(H, K, Dh, S):
+    """A single block with a long span (a decode step over a long context) is split across the thread pool (scores
+    by slot ranges, softmax by rows, V sums by output dims); it must give the definition's values and, bit for bit,
+    the rows of a call with many blocks (one thread per block, nothing split)."""
+    rng = np.random.default_rng(21)
+    T = 16
+    q = rng.standard_normal((1, T, H, Dh)).astype(np.float32)
+    k = rng.standard_normal((1, S, K, Dh)).astype(np.float32)
+    v = rng.standard_normal((1, S, K, Dh)).astype(np.float32)
+    pos = (S - T + np.arange(T, dtype=np.int32))[None]
+    att = jax.jit(kernels.attention, static_argnums=(4, 5))
+    many = np.asarray(att(q, k, v, pos, 0.1, 0))
+    np.testing.assert_allclose(many, np_attention(q, k, v, pos, 0.1, 0), rtol=1e-5, atol=1e-5)
+    for t in (0, T - 1):
+        one = np.asarray(att(q[:, t:t + 1], k, v, pos[:, t:t + 1], 0.1, 0))
+        np.testing.assert_array_equal(one[:, 0], many[:, t])
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    half = np.asarray(att(q[:, :1], k16, v16, pos[:, :1], 0.1, 0))
+    wide = np.asarray(att(q, k16.astype(np.float32), v16.astype(np.float32), pos, 0.1, 0))
+    np.testing.assert_array_equal(half[:, 0], wide[:, 0])
+
+
 def test_attention_and_norm_rows_are_independent_of_the_batch():
     rng = np.random.default_rng(13)
     T, H, K, Dh, S = 16, 4, 1, 256, 64

@@ -142,24 +142,45 @@ constexpr int kRows = 4;  // query rows sharing one kv head computed together: e
 // at slot 0; slots are kstride / vstride apart). Every row's arithmetic is the one-row algorithm, in its order:
 // dot (16 partial sums over Dh, fixed tree) * scale per visible slot, max, exp and their sum in slot order, the
 // weighted V sum in slot order from 0, times 1 / sum. Sharing the slot loads changes no row's result.
-// V is W16 (AVX-512) or V16; kDb output dims of the V sum are accumulated per pass (the registers they take: 64 on
-// AVX-512's 32 zmm, 16 on AVX2's 16 ymm); neither changes any row's arithmetic.
-template <typename V, int kDb>
-__attribute__((always_inline)) inline void attend_block_t(const float* const* q, float* const* out, int n_rows,
-                                                           const int64_t* lo, const int64_t* hi, const float* k,
-                                                           int64_t kstride, const float* v, int64_t vstride,
-                                                           int64_t Dh, int64_t Dv, float scale, float* scores,
-                                                           int64_t sstride) {
-  int64_t ulo = INT64_MAX, uhi = -1;
-  for (int r = 0; r < n_rows; ++r) {
-    for (int64_t d = 0; d < Dv; ++d) out[r][d] = 0.0f;
-    if (hi[r] >= lo[r]) ulo = std::min(ulo, lo[r]), uhi = std::max(uhi, hi[r]);
+// The work comes in three phases, each a function of its own range: the scores of a range of slots, the softmax of
+// a row, the V sums of a range of output dims. Every value is computed by one phase call, in the same order
+// whichever ranges the calls get, so a block split across threads gives the bits of a block run on one.
+struct Block {
+  const float* const* q;
+  float* const* out;
+  int n_rows;
+  const int64_t* lo;
+  const int64_t* hi;
+  const float* k;
+  int64_t kstride;
+  const float* v;
+  int64_t vstride;
+  int64_t Dh, Dv;
+  float scale;
+  float* scores;  // row r's score of slot j at scores[r * sstride + j - ulo]
+  int64_t sstride;
+  int64_t ulo = INT64_MAX, uhi = -1;  // the union of the rows' visible ranges (empty: uhi < ulo)
+  float inv[kRows];
+
+  void init() {
+    for (int r = 0; r < n_rows; ++r)
+      if (hi[r] >= lo[r]) ulo = std::min(ulo, lo[r]), uhi = std::max(uhi, hi[r]);
   }
-  if (uhi < ulo) return;
-  // Scores of every row over the union of the visible ranges (a slot a row cannot see is computed and ignored).
-  const int64_t nv = Dh / kLanes * kLanes;
-  for (int64_t j = ulo; j <= uhi; ++j) {
-    const float* kj = k + j * kstride;
+};
+
+// Scores of every row over the slots [j0, j1) of the union (a slot a row cannot see is computed and ignored).
+template <typename V>
+__attribute__((always_inline)) inline void block_scores_t(const Block& b, int64_t j0, int64_t j1) {
+  // the fields as locals: stores to the scores then cannot make the compiler reload them
+  const int64_t Dh = b.Dh, nv = Dh / kLanes * kLanes, kstride = b.kstride, sstride = b.sstride, ulo = b.ulo;
+  const int n_rows = b.n_rows;
+  const float scale = b.scale;
+  const float* const kp = b.k;
+  const float* q[kRows];
+  for (int r = 0; r < kRows; ++r) q[r] = b.q[r < n_rows ? r : 0];
+  float* const scores = b.scores;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* kj = kp + j * kstride;
     V acc[kRows];
     for (int r = 0; r < kRows; ++r) acc[r] = V::splat(0.0f);
     for (int64_t i = 0; i < nv; i += kLanes) {
@@ -177,76 +198,140 @@ __attribute__((always_inline)) inline void attend_block_t(const float* const* q,
       scores[r * sstride + j - ulo] = fold16(acc[r]) * scale;
     }
   }
-  float inv[kRows];
-  for (int r = 0; r < n_rows; ++r) {
-    float* sc = scores + r * sstride - ulo;
-    float m = -INFINITY;
-    for (int64_t j = lo[r]; j <= hi[r]; ++j) m = std::max(m, sc[j]);
-    float l = 0.0f;
-    for (int64_t j = lo[r]; j <= hi[r]; ++j) {
-      sc[j] = exp_neg(sc[j] - m);
-      l += sc[j];
-    }
-    inv[r] = 1.0f / l;
+}
+
+// Row r's softmax weights in place over its visible slots (max, then exp and their sum in slot order); 1 / sum.
+// Cloned so that nearbyint is one instruction where the CPU has it (the same result as libm's call).
+FUCINA_CLONES void block_softmax(Block& b, int r) {
+  if (b.hi[r] < b.lo[r]) return;
+  float* sc = b.scores + r * b.sstride - b.ulo;
+  float m = -INFINITY;
+  for (int64_t j = b.lo[r]; j <= b.hi[r]; ++j) m = std::max(m, sc[j]);
+  float l = 0.0f;
+  for (int64_t j = b.lo[r]; j <= b.hi[r]; ++j) {
+    sc[j] = exp_neg(sc[j] - m);
+    l += sc[j];
   }
-  // out[r][d] = sum over the row's slots, in slot order, of e_j * v_j[d]; 64 dims x the rows stay in registers.
+  b.inv[r] = 1.0f / l;
+}
+
+// out[r][d] for the output dims of chunks [c0, c1): chunk c < Dv / kDb is dims [c kDb, (c + 1) kDb), summed over
+// the row's slots in slot order with the dims x the rows in registers; chunk Dv / kDb is the tail past the last
+// whole chunk, if any. Then times 1 / sum. A row that sees no slot gets zeros.
+template <typename V, int kDb>
+__attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t c0, int64_t c1) {
   constexpr int kC = kDb / kLanes;
-  const int64_t ndv = Dv / kDb * kDb;
-  for (int64_t d0 = 0; d0 < ndv; d0 += kDb) {
-    V acc[kRows][kC];
-    for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kC; ++c) acc[r][c] = V::splat(0.0f);
-    for (int64_t j = ulo; j <= uhi; ++j) {
-      const float* vj = v + j * vstride + d0;
-      V vv[kC];
-      for (int c = 0; c < kC; ++c) vv[c] = V::load(vj + c * kLanes);
-      for (int r = 0; r < kRows; ++r) {
-        if (r >= n_rows || j < lo[r] || j > hi[r]) continue;
-        const V e = V::splat(scores[r * sstride + j - ulo]);
-        for (int c = 0; c < kC; ++c) acc[r][c] += e * vv[c];
+  const int n_rows = b.n_rows;
+  const int64_t ndv = b.Dv / kDb * kDb, full = b.Dv / kDb, ulo = b.ulo, uhi = b.uhi, vstride = b.vstride,
+                sstride = b.sstride;
+  const float* const vp = b.v;
+  const float* const scores = b.scores;
+  int64_t lo[kRows], hi[kRows];
+  for (int r = 0; r < kRows; ++r) lo[r] = r < n_rows ? b.lo[r] : 0, hi[r] = r < n_rows ? b.hi[r] : -1;
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t d0 = c * kDb, d1 = c < full ? d0 + kDb : b.Dv;
+    if (c < full) {
+      V acc[kRows][kC];
+      for (int r = 0; r < kRows; ++r)
+        for (int cc = 0; cc < kC; ++cc) acc[r][cc] = V::splat(0.0f);
+      for (int64_t j = ulo; j <= uhi; ++j) {
+        const float* vj = vp + j * vstride + d0;
+        V vv[kC];
+        for (int cc = 0; cc < kC; ++cc) vv[cc] = V::load(vj + cc * kLanes);
+        for (int r = 0; r < kRows; ++r) {
+          if (r >= n_rows || j < lo[r] || j > hi[r]) continue;
+          const V e = V::splat(scores[r * sstride + j - ulo]);
+          for (int cc = 0; cc < kC; ++cc) acc[r][cc] += e * vv[cc];
+        }
+      }
+      for (int r = 0; r < n_rows; ++r)
+        for (int cc = 0; cc < kC; ++cc) acc[r][cc].store(b.out[r] + d0 + cc * kLanes);
+    } else {
+      for (int r = 0; r < n_rows; ++r) {
+        float* o = b.out[r];
+        for (int64_t d = ndv; d < b.Dv; ++d) o[d] = 0.0f;
+        for (int64_t j = b.lo[r]; j <= b.hi[r]; ++j) {
+          const float e = b.scores[r * b.sstride + j - b.ulo];
+          const float* vj = b.v + j * b.vstride;
+          for (int64_t d = ndv; d < b.Dv; ++d) o[d] += e * vj[d];
+        }
       }
     }
-    for (int r = 0; r < n_rows; ++r)
-      for (int c = 0; c < kC; ++c) acc[r][c].store(out[r] + d0 + c * kLanes);
-  }
-  for (int r = 0; r < n_rows; ++r) {
-    if (hi[r] < lo[r]) continue;
-    float* o = out[r];
-    for (int64_t j = lo[r]; j <= hi[r]; ++j) {
-      const float e = scores[r * sstride + j - ulo];
-      const float* vj = v + j * vstride;
-      for (int64_t d = ndv; d < Dv; ++d) o[d] += e * vj[d];
+    for (int r = 0; r < n_rows; ++r) {
+      float* o = b.out[r];
+      if (b.hi[r] < b.lo[r]) {
+        for (int64_t d = d0; d < d1; ++d) o[d] = 0.0f;
+      } else {
+        for (int64_t d = d0; d < d1; ++d) o[d] *= b.inv[r];
+      }
     }
-    for (int64_t d = 0; d < Dv; ++d) o[d] *= inv[r];
   }
 }
 
-#define FUCINA_ATTEND_ARGS                                                                                       \
-  const float *const *q, float *const *out, int n_rows, const int64_t *lo, const int64_t *hi, const float *k,      \
-      int64_t kstride, const float *v, int64_t vstride, int64_t Dh, int64_t Dv, float scale, float *scores,        \
-      int64_t sstride
-#define FUCINA_ATTEND_CALL q, out, n_rows, lo, hi, k, kstride, v, vstride, Dh, Dv, scale, scores, sstride
-
-__attribute__((target("arch=x86-64-v4"))) void attend_block_v4(FUCINA_ATTEND_ARGS) {
-  attend_block_t<W16, 64>(FUCINA_ATTEND_CALL);
+// V is W16 (AVX-512) or V16; kDb output dims of the V sum are accumulated per pass (the registers they take: 64 on
+// AVX-512's 32 zmm, 16 on AVX2's 16 ymm); neither changes any row's arithmetic.
+__attribute__((target("arch=x86-64-v4"))) void block_scores_v4(const Block& b, int64_t j0, int64_t j1) {
+  block_scores_t<W16>(b, j0, j1);
 }
-__attribute__((target("arch=x86-64-v3"))) void attend_block_v3(FUCINA_ATTEND_ARGS) {
-  attend_block_t<V16, 16>(FUCINA_ATTEND_CALL);
+__attribute__((target("arch=x86-64-v3"))) void block_scores_v3(const Block& b, int64_t j0, int64_t j1) {
+  block_scores_t<V16>(b, j0, j1);
 }
-void attend_block_generic(FUCINA_ATTEND_ARGS) { attend_block_t<V16, 16>(FUCINA_ATTEND_CALL); }
+void block_scores_generic(const Block& b, int64_t j0, int64_t j1) { block_scores_t<V16>(b, j0, j1); }
+__attribute__((target("arch=x86-64-v4"))) void block_vsum_v4(const Block& b, int64_t c0, int64_t c1) {
+  block_vsum_t<W16, 64>(b, c0, c1);
+}
+__attribute__((target("arch=x86-64-v3"))) void block_vsum_v3(const Block& b, int64_t c0, int64_t c1) {
+  block_vsum_t<V16, 16>(b, c0, c1);
+}
+void block_vsum_generic(const Block& b, int64_t c0, int64_t c1) { block_vsum_t<V16, 16>(b, c0, c1); }
 
-void attend_block(FUCINA_ATTEND_ARGS) {
+int cpu_level() {
   static const int level = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("x86-64-v4") ? 4 : __builtin_cpu_supports("x86-64-v3") ? 3 : 0;
   }();
-  if (level == 4) return attend_block_v4(FUCINA_ATTEND_CALL);
-  if (level == 3) return attend_block_v3(FUCINA_ATTEND_CALL);
-  attend_block_generic(FUCINA_ATTEND_CALL);
+  return level;
+}
+
+void block_scores(const Block& b, int64_t j0, int64_t j1) {
+  const int level = cpu_level();
+  if (level == 4) return block_scores_v4(b, j0, j1);
+  if (level == 3) return block_scores_v3(b, j0, j1);
+  block_scores_generic(b, j0, j1);
+}
+
+// The V-sum chunks of a block: Dv / kDb whole ones (kDb of this CPU's code), plus one for a tail.
+int64_t vsum_chunks(const Block& b) {
+  const int64_t kDb = cpu_level() == 4 ? 64 : 16;
+  return b.Dv / kDb + (b.Dv % kDb != 0);
+}
+
+void block_vsum(const Block& b, int64_t c0, int64_t c1) {
+  const int level = cpu_level();
+  if (level == 4) return block_vsum_v4(b, c0, c1);
+  if (level == 3) return block_vsum_v3(b, c0, c1);
+  block_vsum_generic(b, c0, c1);
+}
+
+// A block on this thread, or its phases split across the pool (the same bits: see Block).
+void attend(Block& b, xla::ffi::ThreadPool* pool) {
+  b.init();
+  if (pool == nullptr || b.uhi < b.ulo) {
+    if (b.uhi >= b.ulo) block_scores(b, b.ulo, b.uhi + 1);
+    for (int r = 0; r < b.n_rows; ++r) block_softmax(b, r);
+    block_vsum(b, 0, vsum_chunks(b));
+    return;
+  }
+  fucina::parallel_for(*pool, b.uhi + 1 - b.ulo,
+                       [&](int64_t j0, int64_t j1) { block_scores(b, b.ulo + j0, b.ulo + j1); }, 2);
+  fucina::parallel_for(*pool, b.n_rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) block_softmax(b, static_cast<int>(r));
+  }, 1);
+  fucina::parallel_for(*pool, vsum_chunks(b), [&](int64_t c0, int64_t c1) { block_vsum(b, c0, c1); }, 1);
 }
 
 // An fp16 KV cache: the slots a block reads are widened to f32 first (exactly: every fp16 value is an f32 value),
-// with F16C where the CPU has it, then attend_block runs on them as on an f32 cache, slot indices made relative.
+// with F16C where the CPU has it, then attend runs on them as on an f32 cache, slot indices made relative.
 __attribute__((target("avx2,f16c"))) void widen_f16c(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -266,27 +351,29 @@ void widen(const uint16_t* src, float* dst, int64_t n) {
   f16c ? widen_f16c(src, dst, n) : widen_plain(src, dst, n);
 }
 
-void attend_block_f16(const float* const* q, float* const* out, int n_rows, const int64_t* lo, const int64_t* hi,
-                      const uint16_t* k, int64_t kstride, const uint16_t* v, int64_t vstride, int64_t Dh, int64_t Dv,
-                      float scale, float* scores, int64_t sstride, std::vector<float>& kbuf,
-                      std::vector<float>& vbuf) {
-  int64_t ulo = INT64_MAX, uhi = -1;
-  for (int r = 0; r < n_rows; ++r)
-    if (hi[r] >= lo[r]) ulo = std::min(ulo, lo[r]), uhi = std::max(uhi, hi[r]);
+void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<float>& kbuf, std::vector<float>& vbuf,
+                xla::ffi::ThreadPool* pool) {
+  b.init();
   int64_t rlo[kRows], rhi[kRows];
-  const int64_t n = uhi >= ulo ? uhi - ulo + 1 : 0;
-  for (int r = 0; r < n_rows; ++r) {
-    rlo[r] = hi[r] >= lo[r] ? lo[r] - ulo : 0;
-    rhi[r] = hi[r] >= lo[r] ? hi[r] - ulo : -1;
+  const int64_t n = b.uhi >= b.ulo ? b.uhi - b.ulo + 1 : 0;
+  for (int r = 0; r < b.n_rows; ++r) {
+    rlo[r] = b.hi[r] >= b.lo[r] ? b.lo[r] - b.ulo : 0;
+    rhi[r] = b.hi[r] >= b.lo[r] ? b.hi[r] - b.ulo : -1;
   }
-  kbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * Dh));
-  vbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * Dv));
+  kbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * b.Dh));
+  vbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * b.Dv));
   for (int64_t j = 0; j < n; ++j) {
-    widen(k + (ulo + j) * kstride, kbuf.data() + j * Dh, Dh);
-    widen(v + (ulo + j) * vstride, vbuf.data() + j * Dv, Dv);
+    widen(k + (b.ulo + j) * b.kstride, kbuf.data() + j * b.Dh, b.Dh);
+    widen(v + (b.ulo + j) * b.vstride, vbuf.data() + j * b.Dv, b.Dv);
   }
-  attend_block(q, out, n_rows, rlo, rhi, kbuf.data(), Dh, vbuf.data(), Dv, Dh, Dv, scale, scores, sstride);
+  Block w{b.q, b.out, b.n_rows, rlo, rhi, kbuf.data(), b.Dh, vbuf.data(), b.Dv, b.Dh, b.Dv, b.scale, b.scores,
+          b.sstride};
+  attend(w, pool);
 }
+
+// A block is split across the pool (its phases, see attend) when there are fewer blocks than threads and it has
+// at least this much work (rows x visible slots x (Dh + Dv)): a single-block decode step over a long context.
+constexpr int64_t kSplitWork = int64_t{1} << 19;
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
@@ -310,6 +397,14 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   float* op = out->typed_data();
   // Work items: (batch row, kv head, block of kRows of its T * G query rows).
   const int64_t per_head = s.T * s.G, blocks = (per_head + kRows - 1) / kRows, items = s.B * s.K * blocks;
+  // Waking a pool thread costs more than a short decode row's work: small calls stay on this thread.
+  int64_t span = 0;
+  for (int64_t i = 0; i < s.B * s.T; ++i) span = std::max<int64_t>(span, std::min<int64_t>(pp[i] + 1, s.S));
+  if (window > 0) span = std::min(span, window);
+  const int64_t work = s.B * s.T * s.H * span * (s.Dh + s.Dv);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // fewer blocks than threads: each block's phases split across the pool
+  xla::ffi::ThreadPool* split = items < threads && work / items >= kSplitWork ? &pool : nullptr;
   auto run = [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(static_cast<size_t>(kRows * s.S)), kbuf, vbuf;
     for (int64_t it = i0; it < i1; ++it) {
@@ -329,20 +424,16 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
         orow[r] = op + ((b * s.T + t) * s.H + h) * s.Dv;
       }
       const int64_t koff = (b * s.S * s.K + kh) * s.Dh, voff = (b * s.S * s.K + kh) * s.Dv;
+      Block blk_{qrow, orow, n_rows, lo, hi, kp + koff, s.K * s.Dh, vp + voff, s.K * s.Dv, s.Dh, s.Dv, scale,
+                 scores.data(), s.S};
       if (half) {
-        attend_block_f16(qrow, orow, n_rows, lo, hi, kh16 + koff, s.K * s.Dh, vh16 + voff, s.K * s.Dv, s.Dh, s.Dv,
-                         scale, scores.data(), s.S, kbuf, vbuf);
+        attend_f16(blk_, kh16 + koff, vh16 + voff, kbuf, vbuf, split);
       } else {
-        attend_block(qrow, orow, n_rows, lo, hi, kp + koff, s.K * s.Dh, vp + voff, s.K * s.Dv, s.Dh, s.Dv, scale,
-                     scores.data(), s.S);
+        attend(blk_, split);
       }
     }
   };
-  // Waking a pool thread costs more than a short decode row's work: small calls stay on this thread.
-  int64_t span = 0;
-  for (int64_t i = 0; i < s.B * s.T; ++i) span = std::max<int64_t>(span, std::min<int64_t>(pp[i] + 1, s.S));
-  if (window > 0) span = std::min(span, window);
-  if (s.B * s.T * s.H * span * (s.Dh + s.Dv) < (1 << 18) || items == 1) {
+  if (work < (1 << 18) || items == 1 || split != nullptr) {
     run(0, items);
   } else {
     fucina::parallel_for(pool, items, run, 2);
