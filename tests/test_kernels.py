@@ -422,6 +422,38 @@ def test_attention_split_block_gives_the_one_thread_bits(H, K, Dh, S):
     np.testing.assert_array_equal(half[:, 0], wide[:, 0])
 
 
+@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
+def test_attention_write_is_write_kv_then_attention(cache_dtype):
+    """The fused cache write + attention gives the bits of layers.write_kv into both caches followed by
+    kernels.attention: every row, the caches (fp16: rounded as XLA's convert rounds), rows at positions past the
+    cache dropped; and without donation the caller's cache arrays are left as they were."""
+    from fucina_jax.models.layers import write_kv
+
+    rng = np.random.default_rng(22)
+    B, T, H, K, Dh, S = 2, 4, 4, 2, 48, 40
+    q = jnp.asarray(rng.standard_normal((B, T, H, Dh)).astype(np.float32))
+    k_new = jnp.asarray(rng.standard_normal((B, T, K, Dh)).astype(np.float32))
+    v_new = jnp.asarray(rng.standard_normal((B, T, K, Dh)).astype(np.float32))
+    kc = jnp.asarray(rng.standard_normal((B, S, K, Dh)).astype(cache_dtype))
+    vc = jnp.asarray(rng.standard_normal((B, S, K, Dh)).astype(cache_dtype))
+    pos = jnp.asarray([[5, 6, 7, 8], [37, 38, 39, 40]], jnp.int32)  # row 1's last position is past the cache
+
+    def apart(q, k_new, v_new, kc, vc, pos):
+        kc, vc = write_kv(kc, k_new, pos), write_kv(vc, v_new, pos)
+        return kernels.attention(q, kc, vc, pos, 0.3, 3), kc, vc
+
+    fused = jax.jit(lambda *a: kernels.attention_write(*a, 0.3, 3))
+    kc_before, vc_before = np.asarray(kc).copy(), np.asarray(vc).copy()
+    want = [np.asarray(x) for x in jax.jit(apart)(q, k_new, v_new, kc, vc, pos)]
+    got = [np.asarray(x) for x in fused(q, k_new, v_new, kc, vc, pos)]
+    for w, g in zip(want, got):
+        assert w.dtype == g.dtype
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(np.asarray(kc), kc_before)
+    np.testing.assert_array_equal(np.asarray(vc), vc_before)
+    assert not np.array_equal(got[1], kc_before)  # the rows did land
+
+
 def test_attention_and_norm_rows_are_independent_of_the_batch():
     rng = np.random.default_rng(13)
     T, H, K, Dh, S = 16, 4, 1, 256, 64

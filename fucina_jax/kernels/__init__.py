@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType
 
 from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, pack_tensor
 
-__all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention", "available",
+__all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention", "attention_write", "available",
            "concat_weights", "expert_linear", "isa", "pack_experts", "pack_weight", "packable", "norm_rope", "qlinear",
            "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows", "top_k"]
 
@@ -35,6 +35,7 @@ TARGET = "fucina_qmatmul"
 EXPERTS_TARGET = "fucina_qmatmul_experts"
 FLOAT_TARGET = "fucina_fmatmul"
 ATTENTION_TARGET = "fucina_attention"
+ATTENTION_WRITE_TARGET = "fucina_attention_write"
 RMS_NORM_TARGET = "fucina_rms_norm"
 NORM_ROPE_TARGET = "fucina_norm_rope"
 RESIDUAL_NORM_TARGET = "fucina_residual_norm"
@@ -296,6 +297,21 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_pos: jax.A
     return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, H, v_cache.shape[-1]), jnp.float32))(
         q.astype(jnp.float32), k_cache, v_cache, q_pos.astype(jnp.int32), scale=np.float32(scale),
         window=np.int64(window),
+    )
+
+
+def attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    q_pos: jax.Array, scale: float, window: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """layers.write_kv of this step's K and V rows (k_new/v_new [B, T, K, D]) into both caches, then attention:
+    (out [B, T, H, Dv], k_cache, v_cache) in one call. The caches are updated in place (XLA aliases the results to
+    the cache arguments); rows at positions outside the cache are dropped, as write_kv drops them."""
+    _register()
+    B, T, H, _ = q.shape
+    out_types = (jax.ShapeDtypeStruct((B, T, H, v_cache.shape[-1]), jnp.float32),
+                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    return jax.ffi.ffi_call(ATTENTION_WRITE_TARGET, out_types, input_output_aliases={3: 1, 4: 2})(
+        q.astype(jnp.float32), k_new.astype(jnp.float32), v_new.astype(jnp.float32), k_cache, v_cache,
+        q_pos.astype(jnp.int32), scale=np.float32(scale), window=np.int64(window),
     )
 
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -343,12 +344,33 @@ void widen_plain(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(reinterpret_cast<const _Float16*>(src)[i]);
 }
 
+// f32 -> fp16, rounded to nearest even (XLA's convert does the same), with F16C where the CPU has it.
+__attribute__((target("avx2,f16c"))) void narrow_f16c(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) reinterpret_cast<_Float16*>(dst)[i] = static_cast<_Float16>(src[i]);
+}
+
+void narrow_plain(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) reinterpret_cast<_Float16*>(dst)[i] = static_cast<_Float16>(src[i]);
+}
+
 void widen(const uint16_t* src, float* dst, int64_t n) {
   static const bool f16c = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   }();
   f16c ? widen_f16c(src, dst, n) : widen_plain(src, dst, n);
+}
+
+void narrow(const float* src, uint16_t* dst, int64_t n) {
+  static const bool f16c = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }();
+  f16c ? narrow_f16c(src, dst, n) : narrow_plain(src, dst, n);
 }
 
 void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<float>& kbuf, std::vector<float>& vbuf,
@@ -375,26 +397,31 @@ void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<floa
 // at least this much work (rows x visible slots x (Dh + Dv)): a single-block decode step over a long context.
 constexpr int64_t kSplitWork = int64_t{1} << 19;
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
+// Shapes of q [B, T, H, Dh], the caches [B, S, K, D] and pos [B, T], or the error that they do not fit together.
+ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        const ffi::Buffer<ffi::S32>& pos, const char* name, Shape* out) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
-    return ffi::Error::InvalidArgument("fucina_attention: q, k, v must be 4-D and pos 2-D");
+    return ffi::Error::InvalidArgument(std::string(name) + ": q, k, v must be 4-D and pos 2-D");
   Shape s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], vd[3], 0};
   if (kd[0] != s.B || vd[0] != s.B || vd[1] != s.S || vd[2] != s.K || kd[3] != s.Dh || pd[0] != s.B ||
       pd[1] != s.T || s.K == 0 || s.H % s.K)
-    return ffi::Error::InvalidArgument("fucina_attention: inconsistent q/k/v/pos shapes");
+    return ffi::Error::InvalidArgument(std::string(name) + ": inconsistent q/k/v/pos shapes");
   s.G = s.H / s.K;
   const bool half = k.element_type() == ffi::DataType::F16;
   if ((!half && k.element_type() != ffi::DataType::F32) || v.element_type() != k.element_type())
-    return ffi::Error::InvalidArgument("fucina_attention: the K and V caches must both be f32 or both f16");
-  const float* qp = q.typed_data();
-  const float* kp = static_cast<const float*>(k.untyped_data());
-  const float* vp = static_cast<const float*>(v.untyped_data());
-  const uint16_t* kh16 = static_cast<const uint16_t*>(k.untyped_data());
-  const uint16_t* vh16 = static_cast<const uint16_t*>(v.untyped_data());
-  const int32_t* pp = pos.typed_data();
-  float* op = out->typed_data();
+    return ffi::Error::InvalidArgument(std::string(name) + ": the K and V caches must both be f32 or both f16");
+  *out = s;
+  return ffi::Error::Success();
+}
+
+// Every query row of q over the caches k and v (f32, or fp16 when half), into out.
+void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const void* k, const void* v, bool half,
+                const int32_t* pp, float* op, float scale, int64_t window) {
+  const float* kp = static_cast<const float*>(k);
+  const float* vp = static_cast<const float*>(v);
+  const uint16_t* kh16 = static_cast<const uint16_t*>(k);
+  const uint16_t* vh16 = static_cast<const uint16_t*>(v);
   // Work items: (batch row, kv head, block of kRows of its T * G query rows).
   const int64_t per_head = s.T * s.G, blocks = (per_head + kRows - 1) / kRows, items = s.B * s.K * blocks;
   // Waking a pool thread costs more than a short decode row's work: small calls stay on this thread.
@@ -438,10 +465,77 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   } else {
     fucina::parallel_for(pool, items, run, 2);
   }
+}
+
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
+  Shape s;
+  if (ffi::Error e = check_shapes(q, k, v, pos, "fucina_attention", &s); e.failure()) return e;
+  attend_all(pool, s, q.typed_data(), k.untyped_data(), v.untyped_data(), k.element_type() == ffi::DataType::F16,
+             pos.typed_data(), out->typed_data(), scale, window);
+  return ffi::Error::Success();
+}
+
+// Stores this step's K and V rows [B, T, K, D] at slot = position in the caches (the results, which XLA aliases to
+// the cache arguments), dropping rows whose position is outside [0, S); then attends as fucina_attention. An fp16
+// cache gets each value rounded to nearest even (as XLA's convert). One call where XLA needs two scatters.
+ffi::Error AttentionWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                              ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float scale,
+                              int64_t window) {
+  Shape s;
+  if (ffi::Error e = check_shapes(q, k, v, pos, "fucina_attention_write", &s); e.failure()) return e;
+  auto knd = k_new.dimensions(), vnd = v_new.dimensions();
+  if (knd.size() != 4 || vnd.size() != 4 || knd[0] != s.B || knd[1] != s.T || knd[2] != s.K || knd[3] != s.Dh ||
+      vnd[0] != s.B || vnd[1] != s.T || vnd[2] != s.K || vnd[3] != s.Dv ||
+      k_out->element_count() != k.element_count() || v_out->element_count() != v.element_count() ||
+      k_out->element_type() != k.element_type() || v_out->element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("fucina_attention_write: new rows or cache results do not fit the caches");
+  const bool half = k.element_type() == ffi::DataType::F16;
+  void* kc = k_out->untyped_data();
+  void* vc = v_out->untyped_data();
+  // XLA passes the argument's buffer as the result (aliased); if it ever made them two, carry the cache over first.
+  if (kc != k.untyped_data()) std::memcpy(kc, k.untyped_data(), k.size_bytes());
+  if (vc != v.untyped_data()) std::memcpy(vc, v.untyped_data(), v.size_bytes());
+  const int32_t* pp = pos.typed_data();
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t t = 0; t < s.T; ++t) {
+      const int64_t p = pp[b * s.T + t];
+      if (p < 0 || p >= s.S) continue;
+      const int64_t nk = s.K * s.Dh, nv = s.K * s.Dv;
+      const float* ks = k_new.typed_data() + (b * s.T + t) * nk;
+      const float* vs = v_new.typed_data() + (b * s.T + t) * nv;
+      const int64_t kd = (b * s.S + p) * nk, vd = (b * s.S + p) * nv;
+      if (half) {
+        narrow(ks, static_cast<uint16_t*>(kc) + kd, nk);
+        narrow(vs, static_cast<uint16_t*>(vc) + vd, nv);
+      } else {
+        std::memcpy(static_cast<float*>(kc) + kd, ks, nk * sizeof(float));
+        std::memcpy(static_cast<float*>(vc) + vd, vs, nv * sizeof(float));
+      }
+    }
+  attend_all(pool, s, q.typed_data(), kc, vc, half, pp, out->typed_data(), scale, window);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaAttentionWrite, AttentionWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaAttention, AttentionImpl,
                               ffi::Ffi::Bind()

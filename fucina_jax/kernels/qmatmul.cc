@@ -836,6 +836,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmulExperts, QMatmulExpertsImpl,
 
 extern "C" XLA_FFI_Error* FucinaFMatmul(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaAttention(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* FucinaAttentionWrite(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaRmsNorm(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaNormRope(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaResidualNorm(XLA_FFI_CallFrame* call_frame);
@@ -852,6 +853,7 @@ static PyObject* py_handlers(PyObject*, PyObject*) {
       {"fmatmul", reinterpret_cast<void*>(&FucinaFMatmul)},
       {"qmatmul_experts", reinterpret_cast<void*>(&FucinaQMatmulExperts)},
       {"attention", reinterpret_cast<void*>(&FucinaAttention)},
+      {"attention_write", reinterpret_cast<void*>(&FucinaAttentionWrite)},
       {"rms_norm", reinterpret_cast<void*>(&FucinaRmsNorm)},
       {"norm_rope", reinterpret_cast<void*>(&FucinaNormRope)},
       {"residual_norm", reinterpret_cast<void*>(&FucinaResidualNorm)},

@@ -19,6 +19,7 @@ import numpy as np
 
 from fucina_jax.kernels import KERNEL_WEIGHTS, FWeight, QWeight, expert_linear, qlinear, take_rows
 from fucina_jax.kernels import attention as kernels_attention
+from fucina_jax.kernels import attention_write as kernels_attention_write
 from fucina_jax.kernels import norm_rope as kernels_norm_rope
 from fucina_jax.kernels import residual_norm as kernels_residual_norm
 from fucina_jax.kernels import rms_norm as kernels_rms_norm
@@ -372,12 +373,17 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
         if v_norm:
             v = rms_norm(v, None, cfg.rms_eps, cfg.kernels)
         k = norm_rope(k, p.get("attn_k_norm"))
-        ks[spec.kv_slot] = write_kv(ks[spec.kv_slot], k, positions)
-        vs[spec.kv_slot] = write_kv(vs[spec.kv_slot], v, positions)
     scale = spec.attn_scale if spec.attn_scale is not None else 1.0 / math.sqrt(Dh)
     window = cfg.window if spec.sliding else 0
-    attend = kernels_attention if cfg.kernels else attention
-    a = attend(q, ks[spec.kv_slot], vs[spec.kv_slot], positions, scale, window)
+    slot = spec.kv_slot
+    if spec.writes_kv and cfg.kernels:  # the cache write and the attention in one C call
+        a, ks[slot], vs[slot] = kernels_attention_write(q, k, v, ks[slot], vs[slot], positions, scale, window)
+    else:
+        if spec.writes_kv:
+            ks[slot] = write_kv(ks[slot], k, positions)
+            vs[slot] = write_kv(vs[slot], v, positions)
+        attend = kernels_attention if cfg.kernels else attention
+        a = attend(q, ks[slot], vs[slot], positions, scale, window)
     return linear(a.reshape(B, T, H * Dh), p["attn_output"])
 
 
