@@ -357,20 +357,20 @@ void narrow_plain(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) reinterpret_cast<_Float16*>(dst)[i] = static_cast<_Float16>(src[i]);
 }
 
-void widen(const uint16_t* src, float* dst, int64_t n) {
+bool has_f16c() {
   static const bool f16c = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   }();
-  f16c ? widen_f16c(src, dst, n) : widen_plain(src, dst, n);
+  return f16c;
+}
+
+void widen(const uint16_t* src, float* dst, int64_t n) {
+  has_f16c() ? widen_f16c(src, dst, n) : widen_plain(src, dst, n);
 }
 
 void narrow(const float* src, uint16_t* dst, int64_t n) {
-  static const bool f16c = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  }();
-  f16c ? narrow_f16c(src, dst, n) : narrow_plain(src, dst, n);
+  has_f16c() ? narrow_f16c(src, dst, n) : narrow_plain(src, dst, n);
 }
 
 void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<float>& kbuf, std::vector<float>& vbuf,
