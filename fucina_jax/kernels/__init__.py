@@ -27,9 +27,10 @@ from gguf import GGMLQuantizationType
 
 from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, pack_tensor
 
-__all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention", "attention_write", "available",
-           "concat_weights", "expert_linear", "isa", "pack_experts", "pack_weight", "packable", "norm_rope", "qlinear",
-           "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows", "top_k"]
+__all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention",
+           "attention_write", "available", "concat_weights", "expert_linear", "isa", "pack_experts", "pack_weight",
+           "packable", "norm_rope", "qlinear", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows",
+           "top_k"]
 
 TARGET = "fucina_qmatmul"
 EXPERTS_TARGET = "fucina_qmatmul_experts"

@@ -250,17 +250,17 @@ __attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t 
     } else {
       for (int r = 0; r < n_rows; ++r) {
         float* o = b.out[r];
-        for (int64_t d = ndv; d < b.Dv; ++d) o[d] = 0.0f;
-        for (int64_t j = b.lo[r]; j <= b.hi[r]; ++j) {
-          const float e = b.scores[r * b.sstride + j - b.ulo];
-          const float* vj = b.v + j * b.vstride;
-          for (int64_t d = ndv; d < b.Dv; ++d) o[d] += e * vj[d];
+        for (int64_t d = ndv; d < d1; ++d) o[d] = 0.0f;
+        for (int64_t j = lo[r]; j <= hi[r]; ++j) {
+          const float e = scores[r * sstride + j - ulo];
+          const float* vj = vp + j * vstride;
+          for (int64_t d = ndv; d < d1; ++d) o[d] += e * vj[d];
         }
       }
     }
     for (int r = 0; r < n_rows; ++r) {
       float* o = b.out[r];
-      if (b.hi[r] < b.lo[r]) {
+      if (hi[r] < lo[r]) {
         for (int64_t d = d0; d < d1; ++d) o[d] = 0.0f;
       } else {
         for (int64_t d = d0; d < d1; ++d) o[d] *= b.inv[r];
@@ -393,10 +393,6 @@ void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<floa
   attend(w, pool);
 }
 
-// A block is split across the pool (its phases, see attend) when there are fewer blocks than threads and it has
-// at least this much work (rows x visible slots x (Dh + Dv)): a single-block decode step over a long context.
-constexpr int64_t kSplitWork = int64_t{1} << 19;
-
 // Shapes of q [B, T, H, Dh], the caches [B, S, K, D] and pos [B, T], or the error that they do not fit together.
 ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                         const ffi::Buffer<ffi::S32>& pos, const char* name, Shape* out) {
@@ -414,6 +410,10 @@ ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k,
   *out = s;
   return ffi::Error::Success();
 }
+
+// A block is split across the pool (its phases, see attend) when there are fewer blocks than threads and it has
+// at least this much work (rows x visible slots x (Dh + Dv)): a single-block decode step over a long context.
+constexpr int64_t kSplitWork = int64_t{1} << 19;
 
 // Every query row of q over the caches k and v (f32, or fp16 when half), into out.
 void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const void* k, const void* v, bool half,
@@ -466,7 +466,6 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
     fucina::parallel_for(pool, items, run, 2);
   }
 }
-
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
