@@ -146,7 +146,7 @@ class Runner:
 
     def _fucina(self, spec: bool, task: Task, gen: int) -> dict:
         from fucina_jax.generate import generate
-        from fucina_jax.spec import generate_speculative
+        from fucina_jax.speculative import generate_speculative
 
         kw = {"max_tokens": gen, "sampler": _sampler(task, self.seed), "ctx": self.ctx, "stop_ids": self.stops}
         if spec:
@@ -277,7 +277,7 @@ def markdown(rows, summary, meta) -> str:
         f"Wall time: {meta['seconds'] / 60:.1f} min",
         "",
         ("Regenerate with `python bench/run.py` (full) or `python bench/run.py --quick`. The verify-cost table the "
-         "gate starts from: `python scripts/generate.py --spec-bench` (see fucina_jax/spec/default_cost_table.json)."),
+         "gate starts from: `python scripts/generate.py --spec-bench` (see fucina_jax/speculative/default_cost_table.json)."),
         "",
         CAVEATS,
         "",
@@ -379,7 +379,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import fucina_jax
-    from fucina_jax.spec.bench import machine_description
+    from fucina_jax.speculative.bench import machine_description
 
     t0 = time.perf_counter()
     machine = machine_description()

@@ -52,7 +52,7 @@ class ChatOptions:
     ctx: int | None = None
     system: str | None = None
     speculation: bool = False
-    spec_options: object | None = None  # fucina_jax.spec.SpecOptions; None = its defaults
+    spec_options: object | None = None  # fucina_jax.speculative.SpecOptions; None = its defaults
     extra_stop_ids: tuple[int, ...] = ()
     stop_sequences: tuple[str, ...] = ()
     template: ChatTemplate | None = None  # None = chat_template_for(model.tokenizer)
@@ -69,10 +69,10 @@ class ChatOptions:
         if bad:
             raise ChatOptionsError(f"extra_stop_ids {bad} are not token ids of this model (0..{n_vocab - 1})")
         if self.spec_options is not None:
-            from fucina_jax.spec import SpecOptions
+            from fucina_jax.speculative import SpecOptions
 
             if not isinstance(self.spec_options, SpecOptions):
-                raise TypeError(f"spec_options must be a fucina_jax.spec.SpecOptions (or None), got "
+                raise TypeError(f"spec_options must be a fucina_jax.speculative.SpecOptions (or None), got "
                                 f"{type(self.spec_options).__name__}")
         if any(not isinstance(s, str) or not s for s in self.stop_sequences):
             raise ChatOptionsError(f"stop_sequences must be non-empty strings; got {self.stop_sequences!r}")
@@ -225,7 +225,7 @@ class TurnGate:
 def _turn_decoder_class():
     from fucina_jax import sampling
     from fucina_jax.models import truncate
-    from fucina_jax.spec import SpeculativeDecoder
+    from fucina_jax.speculative import SpeculativeDecoder
 
     class TurnDecoder(SpeculativeDecoder):
         """SpeculativeDecoder that continues over its cache across turns (`resume`) and can drop committed tokens
@@ -302,7 +302,7 @@ class Conversation:
 
     def reset(self) -> None:
         """Start over (no messages, an empty cache and index, fresh statistics); reference documents stay."""
-        from fucina_jax.spec import SpecOptions
+        from fucina_jax.speculative import SpecOptions
 
         o = self.options
         self.messages: list[dict] = [{"role": "system", "content": o.system}] if o.system is not None else []
@@ -356,7 +356,7 @@ class Conversation:
         if self.gate is None:
             raise ChatOptionsError("reference documents feed speculation: create the Conversation with "
                                    "speculation=True (--spec)")
-        from fucina_jax.spec.decoder import reference_ids
+        from fucina_jax.speculative.decoder import reference_ids
 
         arr = reference_ids(self.model, doc)
         n = self.gate.add_reference(arr)

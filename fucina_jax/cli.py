@@ -183,7 +183,7 @@ def _spec_args(args):
     """(SpecOptions or None when speculation is off, reference texts); checked before the model loads."""
     if not (args.spec or args.spec_ref or args.max_draft is not None or args.cost_table is not None):
         return None, []
-    from fucina_jax.spec import MAX_DRAFT, SpecOptions
+    from fucina_jax.speculative import MAX_DRAFT, SpecOptions
 
     if len(args.spec_ref) > MAX_SPEC_REFS:
         raise CLIError(f"--spec-ref given {len(args.spec_ref)} times: at most {MAX_SPEC_REFS} reference documents")
@@ -199,7 +199,7 @@ def _spec_args(args):
     if args.cost_table is not None:
         import dataclasses
 
-        from fucina_jax.spec.bench import load_cost_table
+        from fucina_jax.speculative.bench import load_cost_table
 
         options = dataclasses.replace(options, cost_table=load_cost_table(args.cost_table))
     return options, refs
@@ -272,7 +272,7 @@ def run(args) -> int:
     if ctx > model.config.context_length:
         raise CLIError(f"--ctx {ctx} exceeds the model's trained context of {model.config.context_length}")
     if args.spec_bench:
-        from fucina_jax.spec.bench import run_spec_bench
+        from fucina_jax.speculative.bench import run_spec_bench
 
         base = args.spec_bench_out
         run_spec_bench(model, json_path=base + ".json", png_path=base + ".png", ctx=ctx, sampler=sampler,
@@ -284,7 +284,7 @@ def run(args) -> int:
     if not ids:
         raise CLIError("the prompt is empty and the model adds no BOS token: give --prompt")
     if spec_options is not None:
-        from fucina_jax.spec import generate_speculative
+        from fucina_jax.speculative import generate_speculative
 
         gen = generate_speculative(model, ids, max_tokens=args.gen, sampler=sampler, ctx=ctx, references=refs,
                                    options=spec_options)

@@ -58,7 +58,7 @@ class ChatTemplateError(FucinaError):
 
 
 class SpecOptionsError(FucinaError, ValueError):
-    """A speculative-decoding option (fucina_jax.spec.SpecOptions) is out of range or degenerate."""
+    """A speculative-decoding option (fucina_jax.speculative.SpecOptions) is out of range or degenerate."""
 
 
 class RateWindowTooSmall(SpecOptionsError):

@@ -165,7 +165,7 @@ class Model:
 
         Returns a `Generation`: iterate it for committed token ids, then read `.result` (a GenerationResult).
         Sampling values go in `sampler` (a SamplerConfig) or as keywords (temperature=0, top_k=20, seed=1, ...).
-        `spec=True` decodes speculatively (same stream, see fucina_jax.spec); `references` are documents (text or
+        `spec=True` decodes speculatively (same stream, see fucina_jax.speculative); `references` are documents (text or
         token ids) the reference source may copy from.
         """
         from fucina_jax.sampling import SamplerConfig
@@ -176,7 +176,7 @@ class Model:
             raise TypeError("pass sampling values either as sampler= or as keywords, not both")
         ids = self.tokenizer.encode(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) else prompt
         if spec or source is not None or references:
-            from fucina_jax.spec import generate_speculative
+            from fucina_jax.speculative import generate_speculative
 
             return generate_speculative(self, ids, max_tokens=max_tokens, sampler=sampler, ctx=ctx, stop_ids=stop_ids,
                                         source=source, references=references, options=spec_options)
@@ -205,7 +205,7 @@ class Model:
             a = a[0]
         if a.ndim != 1:
             raise ValueError(f"token ids must be one prompt (a flat sequence, or [1, T]), got an array of shape "
-                             f"{a.shape}: run several prompts with fucina_jax.spec.generate_batched")
+                             f"{a.shape}: run several prompts with fucina_jax.speculative.generate_batched")
         if a.size == 0:
             return a.astype(np.int32)
         if a.dtype == object:  # Python ints past int64, or mixed types

@@ -9,7 +9,7 @@ Prints, in this order:
   3. plain greedy decode tok/s of fucina_jax and llama.cpp, runs interleaved (fucina, llama.cpp, ...) so machine
      drift hits both, the ratio of the medians, and whether the greedy streams agree;
   4. the verify cost table C(k) = (one forward over k rows with full logits) / (one plain decode step) of both:
-     fucina_jax's decoder steps (spec/bench.py's probe) and llama.cpp with logits_all=True.
+     fucina_jax's decoder steps (speculative/bench.py's probe) and llama.cpp with logits_all=True.
 
   python scripts/bench_speed.py [MODEL.gguf] [--gen 64] [--reps 3] [--ctx 1024] [--threads 2] [--f32]
 """
@@ -108,7 +108,7 @@ def main() -> int:
     from fucina_jax.generate import generate
     from fucina_jax.model import default_model_path
     from fucina_jax.sampling import SamplerConfig
-    from fucina_jax.spec.bench import measure_cost_table
+    from fucina_jax.speculative.bench import measure_cost_table
 
     path = args.model or default_model_path()
     gguf_mb = os.path.getsize(path) / 2**20

@@ -18,7 +18,7 @@ from fucina_jax.chat_template import encode_chat
 from fucina_jax.errors import ChatOptionsError
 from fucina_jax.generate import generate
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec import SpecOptions
+from fucina_jax.speculative import SpecOptions
 
 GREEDY = SamplerConfig(temperature=0, seed=1)
 MAX_TOKENS = 48

@@ -293,11 +293,11 @@ def test_fitted_cache_gives_the_full_context_stream(quantized, monkeypatch, path
     plain and the speculative streams, and every logit row the decoder sampled from, equal those of a run on a
     full-context cache, bit for bit (sliding-window fixture, rows past the window included)."""
     import fucina_jax.generate as plain_mod
-    import fucina_jax.spec.decoder as spec_mod
+    import fucina_jax.speculative.decoder as spec_mod
     from fucina_jax.generate import generate
     from fucina_jax.models import fitted_capacity
     from fucina_jax.sampling import SamplerConfig
-    from fucina_jax.spec import SpecOptions, generate_speculative
+    from fucina_jax.speculative import SpecOptions, generate_speculative
 
     fast, ref, _ = quantized("gemma3", "Q8_0")
     model = fast if path_kind == "kernels" else ref
@@ -413,7 +413,7 @@ def test_f16_cache_keeps_rows_exact_and_tracks_f32(quantized, llama_ref):
     # and the speculative stream is the plain stream, verifying drafts against the f16 cache
     from fucina_jax.generate import generate
     from fucina_jax.sampling import SamplerConfig
-    from fucina_jax.spec import SpecOptions, generate_speculative
+    from fucina_jax.speculative import SpecOptions, generate_speculative
 
     prompt = IDS[:12] * 3
     for sampler in (SamplerConfig(temperature=0.0, seed=0), SamplerConfig(temperature=0.9, seed=3)):

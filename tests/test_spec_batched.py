@@ -23,9 +23,9 @@ from fucina_jax.errors import DraftSourceError
 from fucina_jax.generate import generate
 from fucina_jax.index import SpeculationIndex
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec import SpecOptions
-from fucina_jax.spec import batched as sb
-from fucina_jax.spec.batched import BatchedSpeculativeDecoder, generate_batched
+from fucina_jax.speculative import SpecOptions
+from fucina_jax.speculative import batched as sb
+from fucina_jax.speculative.batched import BatchedSpeculativeDecoder, generate_batched
 
 CTX = 128
 OPTIONS = SpecOptions(max_draft=7, min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft runs

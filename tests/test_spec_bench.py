@@ -12,8 +12,8 @@ import pytest
 
 from fucina_jax import engine
 from fucina_jax.errors import CostTableError, SpecOptionsError
-from fucina_jax.spec import DEFAULT_COST_TABLE, CostGate, CostPoint, SpecOptions
-from fucina_jax.spec.bench import (
+from fucina_jax.speculative import DEFAULT_COST_TABLE, CostGate, CostPoint, SpecOptions
+from fucina_jax.speculative.bench import (
     DEFAULT_TABLE_PATH,
     load_cost_table,
     run_spec_bench,

@@ -17,7 +17,7 @@ from fucina_jax.errors import ContextFullError, DraftSourceError, SpecOptionsErr
 from fucina_jax.generate import generate
 from fucina_jax.index import SpeculationIndex
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec import (
+from fucina_jax.speculative import (
     CostPoint,
     SpecOptions,
     SpeculativeDecoder,

@@ -15,7 +15,7 @@ from fucina_jax.errors import (
     ReprobeAfterZero,
     SpecOptionsError,
 )
-from fucina_jax.spec import (
+from fucina_jax.speculative import (
     DEFAULT_COST_TABLE,
     MAX_DRAFT,
     CostGate,

@@ -16,7 +16,7 @@ from spec_helpers import ScriptedSource, all_sources, alternating
 from fucina_jax import engine, sampling
 from fucina_jax.generate import generate
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec import SpecOptions, SpeculativeDecoder, generate_speculative
+from fucina_jax.speculative import SpecOptions, SpeculativeDecoder, generate_speculative
 
 CTX = 512
 GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)

@@ -1,29 +1,27 @@
-"""Lossless draft-model-free speculative decoding: the decoder, its cost gate and its fused verify step.
+"""Deprecated alias of `fucina_jax.speculative` (renamed: "spec" also meant "specification" in this codebase).
 
-Drafts come from any `fucina_jax.index.DraftSource` (the package's own is the `SpeculationIndex` cascade); the
-decoder verifies them with one batched forward and commits exactly the stream plain decoding commits (design record
-sections 1-4). `generate_speculative` is `fucina_jax.generate.generate` with speculation;
-`generate_batched` decodes many conversations in one batch (spec/batched.py).
+`import fucina_jax.spec` and `from fucina_jax.spec.gate import ...` keep working for one release, with a
+DeprecationWarning; import `fucina_jax.speculative` instead.
 """
 
-from fucina_jax.spec.batched import BatchedSpeculativeDecoder, generate_batched
-from fucina_jax.spec.decoder import SpecStats, SpeculativeDecoder, VerifyRowHook, generate_speculative
-from fucina_jax.spec.gate import DEFAULT_COST_TABLE, MAX_DRAFT, CostGate, CostPoint, SpecOptions, table_cost
-from fucina_jax.spec.steps import TOPK_FEEDBACK, verify_sample_step
+import importlib
+import sys
+import warnings
 
-__all__ = [
-    "generate_speculative",
-    "generate_batched",
-    "BatchedSpeculativeDecoder",
-    "SpeculativeDecoder",
-    "SpecOptions",
-    "SpecStats",
-    "VerifyRowHook",
-    "CostGate",
-    "CostPoint",
-    "DEFAULT_COST_TABLE",
-    "MAX_DRAFT",
-    "table_cost",
-    "TOPK_FEEDBACK",
-    "verify_sample_step",
-]
+warnings.warn("fucina_jax.spec is deprecated: import fucina_jax.speculative instead", DeprecationWarning,
+              stacklevel=2)
+
+from fucina_jax.speculative import *  # noqa: E402,F401,F403
+from fucina_jax.speculative import __all__  # noqa: E402,F401
+
+_SUBMODULES = ("bench", "cost_table", "gate")
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fucina_jax.speculative.{name}")
+    raise AttributeError(f"module 'fucina_jax.spec' has no attribute {name!r}")
+
+
+for _name in _SUBMODULES:  # `from fucina_jax.spec.gate import X` finds the renamed module
+    sys.modules.setdefault(f"{__name__}.{_name}", importlib.import_module(f"fucina_jax.speculative.{_name}"))

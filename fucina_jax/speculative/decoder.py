@@ -42,8 +42,8 @@ from fucina_jax.generate import Generation, GenerationResult, Timer, check_reque
 from fucina_jax.index.protocol import DraftSource
 from fucina_jax.models import fitted_capacity, truncate
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec import steps
-from fucina_jax.spec.gate import MAX_DRAFT, CostGate, SpecOptions
+from fucina_jax.speculative import steps
+from fucina_jax.speculative.gate import MAX_DRAFT, CostGate, SpecOptions
 
 __all__ = ["SpecStats", "SpeculativeDecoder", "VerifyRowHook", "generate_speculative"]
 
@@ -373,7 +373,7 @@ class SpeculativeDecoder:
 def check_spec_args(options, sources, clock) -> None:
     """TypeErrors for generate_speculative's and generate_batched's options, draft sources and clock."""
     if options is not None and not isinstance(options, SpecOptions):
-        raise TypeError(f"options must be a fucina_jax.spec.SpecOptions (or None), got {type(options).__name__}: "
+        raise TypeError(f"options must be a fucina_jax.speculative.SpecOptions (or None), got {type(options).__name__}: "
                         "e.g. SpecOptions(max_draft=8)")
     for source in sources:
         if source is not None and not all(callable(getattr(source, f, None)) for f in ("suggest", "observe")):

@@ -12,7 +12,7 @@ values and seed, penalty history, stop ids and token budget. They meet only in t
      position n_b + i with that conversation's history + drafts[:i] (the counter-based RNG keys on (seed, position),
      design record section 2, obligations 1 and 3);
   4. on the host, each row keeps its longest accepted prefix + correction/bonus token, exactly as the single
-     decoder (spec/decoder.py) does, cut at a stop id or at its limit; its committed ids enter its penalty history;
+     decoder (speculative/decoder.py) does, cut at a stop id or at its limit; its committed ids enter its penalty history;
   5. per-row rewind is a per-row cache length: the next step starts each row at (its committed length - 1), so the
      rejected rows of this step are stale and never visible (no copy, no separate truncate call).
 
@@ -55,9 +55,9 @@ from fucina_jax.models import forward_hidden, truncate, unembed
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import ModelConfig
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec.decoder import SpecStats, check_spec_args
-from fucina_jax.spec.gate import MAX_DRAFT, CostGate, SpecOptions, table_cost
-from fucina_jax.spec.steps import feedback_topk
+from fucina_jax.speculative.decoder import SpecStats, check_spec_args
+from fucina_jax.speculative.gate import MAX_DRAFT, CostGate, SpecOptions, table_cost
+from fucina_jax.speculative.steps import feedback_topk
 
 __all__ = [
     "STEP_WIDTHS",

@@ -35,7 +35,7 @@ from fucina_jax.errors import (
     ReprobeAfterZero,
     SpecOptionsError,
 )
-from fucina_jax.spec.cost_table import DEFAULT_TABLE_PATH, read_cost_points
+from fucina_jax.speculative.cost_table import DEFAULT_TABLE_PATH, read_cost_points
 
 __all__ = ["CostPoint", "DEFAULT_COST_TABLE", "MAX_DRAFT", "SpecOptions", "CostGate", "table_cost"]
 
@@ -48,10 +48,10 @@ class CostPoint:
     cost: float
 
 
-# Measured on the embedded Gemma 3 270M Q4_K_M by the --spec-bench probe (fucina_jax.spec.bench: the fused
+# Measured on the embedded Gemma 3 270M Q4_K_M by the --spec-bench probe (fucina_jax.speculative.bench: the fused
 # verify+sample step of each width against the fused decode+sample step, calls interleaved, best of several pairs per
 # round, median of rounds; the CLI's default sampler, ctx 4096, 128 cached tokens) and shipped as package data, one
-# file per kernel instruction set (spec/cost_table.py picks it): the file records the command, date, machine and raw
+# file per kernel instruction set (speculative/cost_table.py picks it): the file records the command, date, machine and raw
 # ratios. On an AVX-512 VNNI Zen 4 C(width 2, 4, 8, 16) = 1.05, 1.12, 1.40, 2.75; on an AVX2-only Zen 3 1.04, 1.38,
 # 1.95, 3.84 (its multi-row int8 products cost ~4x the instructions). A measured cost below 1 is entered as 1.0: a
 # verify never costs less than the plain step it replaces. The gate's live multiplier (above) learns the rest.

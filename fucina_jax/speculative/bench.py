@@ -12,7 +12,7 @@ best verify / best plain; the table is the median over rounds. Interleaving puts
 same few seconds, so load from other processes hits both alike.
 
 A draft of d tokens runs the padded bucket of width bucket_for(d + 1), so the table is keyed by the bucket's draft
-slots (width - 1), the key the decoder prices a verify at (see spec/gate.py). A measured cost below 1 (noise, or a
+slots (width - 1), the key the decoder prices a verify at (see speculative/gate.py). A measured cost below 1 (noise, or a
 verify of width 2 as cheap as a decode step) is entered as 1: a verify never costs less than the plain step it
 replaces. The raw ratio stays in the JSON as `measured`.
 """
@@ -36,14 +36,14 @@ import numpy as np
 from fucina_jax import engine, sampling
 from fucina_jax.models import truncate
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.spec.cost_table import (
+from fucina_jax.speculative.cost_table import (
     DEFAULT_TABLE_PATH,
     FORMAT,
     FORMAT_VERSION,
     read_cost_points,
 )
-from fucina_jax.spec.gate import CostPoint, SpecOptions
-from fucina_jax.spec.steps import verify_sample_step
+from fucina_jax.speculative.gate import CostPoint, SpecOptions
+from fucina_jax.speculative.steps import verify_sample_step
 
 __all__ = [
     "DEFAULT_TABLE_PATH",
@@ -301,12 +301,12 @@ def run_spec_bench(model, *, json_path: str | None, png_path: str | None, ctx: i
 
 
 def main(argv=None) -> int:
-    """`python -m fucina_jax.spec.bench [MODEL] [--json F] [--png F]`: the probe without the generation CLI."""
+    """`python -m fucina_jax.speculative.bench [MODEL] [--json F] [--png F]`: the probe without the generation CLI."""
     import argparse
 
     import fucina_jax
 
-    ap = argparse.ArgumentParser(prog="python -m fucina_jax.spec.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m fucina_jax.speculative.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded Gemma 3 270M)")
     ap.add_argument("--json", default="spec_bench.json", help="cost-table JSON to write ('' = none)")
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model = fucina_jax.load(args.model)
     sampler = SamplerConfig(temperature=0.0, seed=0) if args.greedy else SamplerConfig(seed=0)
-    command = "python -m fucina_jax.spec.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m fucina_jax.speculative.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     run_spec_bench(model, json_path=args.json or None, png_path=args.png or None, ctx=args.ctx or None,
                    sampler=sampler, reps=args.reps, rounds=args.rounds, command=command.strip())
     return 0

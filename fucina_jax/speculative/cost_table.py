@@ -1,4 +1,4 @@
-"""The verify-cost table file format (written by the --spec-bench probe, fucina_jax.spec.bench), read without JAX.
+"""The verify-cost table file format (written by the --spec-bench probe, fucina_jax.speculative.bench), read without JAX.
 
     {"format": "fucina_jax.cost_table", "version": 1, "model": ..., "date": ..., "machine": ..., "plain_ms": ...,
      "command": ..., "table": [{"width": 2, "draft_len": 1, "cost": 1.0, ...}, ...]}
