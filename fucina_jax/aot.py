@@ -25,6 +25,10 @@ device, or with jax_disable_jit; and functions outside fucina_jax keep their pro
 key does not cover their source). Attributes other than calling (`lower`, `trace`, `eval_shape`, ...) are the
 jax.jit function's.
 
+Every step counts its own traces (TRACED) and loads (LOADED): `events()`, their sum, moves across a call when that
+call traced a step or loaded a program, the one number the timers read to tell a call that brought its program in
+from one that only ran.
+
 The files are trusted like JAX's own cache entries: loading one runs code from the user's cache directory. A file
 that fails to load (truncated, from another jaxlib) is compiled again and overwritten.
 """
@@ -49,11 +53,14 @@ import weakref
 import jax
 import numpy as np
 
-__all__ = ["COMPILED", "LOADED", "clear", "jit"]
+__all__ = ["COMPILED", "LOADED", "TRACED", "clear", "events", "jit"]
 
 log = logging.getLogger(__name__)
 
-# Programs loaded from disk, per function name (TRACE_COUNTS-style: a load is a program brought in without a trace).
+# Traces of every step, per function name (Step.name): incremented by the traced function itself, each time JAX
+# traces it (a call with a new shape or static value, `lower`/`trace`/`eval_shape`, a step inside another jit).
+TRACED: collections.Counter = collections.Counter()
+# Programs loaded from disk, per function name: a program brought in without a trace.
 LOADED: collections.Counter = collections.Counter()
 # Real XLA compiles of programs the store keeps, per function name (a program found by its lowered module is not one).
 COMPILED: collections.Counter = collections.Counter()
@@ -78,6 +85,13 @@ def jit(fun=None, *, static_argnames=(), donate_argnames=()):
 _STEPS: weakref.WeakSet = weakref.WeakSet()  # every Step, for clear()
 
 
+def events() -> int:
+    """sum(TRACED.values()) + sum(LOADED.values()): a change in it across a call means that call traced or loaded a
+    program. A call that compiles a trace made before it (by `step.lower(...)` or `step.trace(...)` with the same
+    arguments) does not move it."""
+    return sum(TRACED.values()) + sum(LOADED.values())
+
+
 def clear() -> None:
     """Drop every compiled program this process holds: the Steps' and jax.jit's (jax.clear_caches). Each model shape
     compiles its own programs, and their machine code stays mapped while they are held; a process that loads many
@@ -93,9 +107,15 @@ class Step:
     """One jitted function; its compiled programs per (static arguments, argument structure and shapes)."""
 
     def __init__(self, fun, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...]):
-        self.jitted = jax.jit(fun, static_argnames=static_argnames, donate_argnames=donate_argnames)
+        self.name = name = f"{fun.__module__}.{fun.__qualname__}"
+
+        @functools.wraps(fun)  # fun's name, module and (through __wrapped__) signature: jax.jit sees fun's
+        def counted(*args, **kwargs):
+            TRACED[name] += 1  # runs only while JAX traces
+            return fun(*args, **kwargs)
+
+        self.jitted = jax.jit(counted, static_argnames=static_argnames, donate_argnames=donate_argnames)
         functools.update_wrapper(self, fun)
-        self.name = f"{fun.__module__}.{fun.__qualname__}"
         self._params = list(inspect.signature(fun).parameters.values())
         self._static = frozenset(static_argnames)
         for p in self._params:

@@ -59,7 +59,6 @@ __all__ = [
     "SamplerParams",
     "validated_config",
     "History",
-    "TRACE_COUNTS",
     "TOP_K_OFF_CAP",
     "history_from_tokens",
     "push_history",
@@ -74,8 +73,14 @@ __all__ = [
     "top_k",
 ]
 
-# Incremented at trace time only: tests assert that new values / history / positions never recompile.
-TRACE_COUNTS: collections.Counter = collections.Counter()
+
+def __getattr__(name):
+    """`TRACE_COUNTS`, transitional: this module's steps' entries of aot.TRACED (which counts every step's traces
+    itself; read aot.TRACED / aot.events()), for the callers that still add it to their own sum."""
+    if name == "TRACE_COUNTS":
+        return collections.Counter({k: v for k, v in aot.TRACED.items() if k.startswith(__name__ + ".")})
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # sample_rows works on all rows at once up to this many bytes of logits (8 rows of a 262k vocab), one row at a time
 # beyond: a few [R, V] temporaries past glibc's mmap threshold come back as fresh pages on every call, and the page
@@ -523,8 +528,6 @@ def sample_rows(
     """Sample one token per row of logits [R, V]; row i is committed at positions[i] and penalised with
     history + drafts[:i] (drafts int32 [R]: drafts[i] is the proposal row i is checked against, so the last entry
     is never read; None = every row sees only `history`). `cap` = SamplerConfig.candidate_cap. Returns int32 [R]."""
-    TRACE_COUNTS["sample_rows", logits.shape, history.tokens.shape, None if drafts is None else drafts.shape, cap] += 1
-
     R, V = logits.shape
     if R * V * 4 > _BATCH_BYTES:
         return _sample_by_row(logits, positions, history, drafts, params, cap)

@@ -43,12 +43,18 @@ log.setLevel(logging.WARNING)
 log.propagate = False
 enable_compilation_cache()
 step = sampling.push_history.jitted if sys.argv[1] == "jit" else sampling.push_history
-out = step(sampling.history_from_tokens([3, 1, 4, 1, 5], 8), np.asarray([9, 2, 6], np.int32), np.int32(2))
+args = sampling.history_from_tokens([3, 1, 4, 1, 5], 8), np.asarray([9, 2, 6], np.int32), np.int32(2)
+before_call = aot.events()
+out = step(*args)
+call_events = aot.events() - before_call
 if len(sys.argv) > 2:  # then a plain jax.jit compile: JAX's own cache must still be on after the bypass
     sampling.push_history.jitted(sampling.history_from_tokens([1], 16), np.asarray([7], np.int32), np.int32(1))
 print("RESULT", json.dumps({"out": [np.asarray(x).tolist() for x in out], "traced": traced,
-                            "loaded": sum(aot.LOADED.values()), "compiled": sum(aot.COMPILED.values())}))
+                            "loaded": sum(aot.LOADED.values()), "compiled": sum(aot.COMPILED.values()),
+                            "counted": dict(aot.TRACED), "events": aot.events(), "call_events": call_events}))
 """
+
+PUSH = "fucina_jax.sampling.push_history"  # push_history's Step.name, its key in aot.TRACED
 
 
 def run(cache_dir, how: str, *extra: str, **env_extra):
@@ -70,11 +76,14 @@ def test_a_kept_program_runs_in_a_new_process_without_tracing(tmp_path):
     # The plain jax.jit run fills JAX's persistent cache first: the aot run must still compile for real (an
     # executable that cache hands back reloads without its kernels and fails to run), and not reuse it.
     plain, _ = run(tmp_path, "jit")
+    assert plain["counted"] == {PUSH: 1}  # the jax.jit function counts its traces too
     first, _ = run(tmp_path, "aot")
     assert first["traced"] == ["push_history"] and first["loaded"] == 0 and first["compiled"] == 1
+    assert first["counted"] == {PUSH: 1} and first["events"] == first["call_events"] == 1
     assert len(entries(tmp_path, ".key")) == len(entries(tmp_path, ".bin")) == 1
     second, _ = run(tmp_path, "aot")
     assert second["traced"] == [] and second["loaded"] == 1 and second["compiled"] == 0
+    assert second["counted"] == {} and second["events"] == second["call_events"] == 1  # a load is an event
     assert first["out"] == second["out"] == plain["out"]
     assert plain["out"][0][:7] == [3, 1, 4, 1, 5, 9, 2]  # the program did its work: a real comparison
     assert len(entries(tmp_path, ".key")) == len(entries(tmp_path, ".bin")) == 1
@@ -117,6 +126,7 @@ def test_the_bypass_leaves_jax_cache_on_for_everything_else(tmp_path):
 def test_without_the_cache_it_is_plain_jit(tmp_path):
     out, _ = run(tmp_path, "aot", FUCINA_JAX_NO_CACHE="1")
     assert out["traced"] == ["push_history"] and out["loaded"] == 0
+    assert out["counted"] == {PUSH: 1} and out["call_events"] == 1
     assert not (tmp_path / aot.SUBDIR).exists()
 
 
@@ -229,3 +239,46 @@ def test_clear_caches_drops_every_program_and_the_steps_still_work(store_on):
     assert _scaled._cache_size() == 0
     np.testing.assert_array_equal(_scaled(p, jnp.ones(4), 2.0), first)
     assert _scaled._cache_size() > 0
+
+
+def _fresh_step():
+    """A new aot.jit function (no program of it is held anywhere yet), outside fucina_jax: kept in this process."""
+
+    def fresh(p, acc, scale):
+        return acc + p["w"].astype(jnp.float32) * scale + p["b"].sum()
+
+    return aot.jit(fresh, static_argnames=("scale",), donate_argnames=("acc",))
+
+
+@pytest.fixture(params=["store", "plain jit"])
+def path(request, monkeypatch):
+    """Both ways a call goes: the step's own programs (the store on), or the jax.jit function (the store off)."""
+    if request.param == "store":
+        enable_compilation_cache()
+        if aot._store() is None:
+            pytest.fail("the step store is off (FUCINA_JAX_NO_CACHE set?): this test checks the aot path")
+    else:
+        monkeypatch.setattr(aot, "_store", lambda: None)
+    return request.param
+
+
+def _params(n):
+    return {"w": np.arange(n, dtype=np.float32), "b": np.ones(3, np.float32)}
+
+
+def test_traced_counts_one_trace_per_new_shape_or_static_value(path):
+    step = _fresh_step()
+    counts = []
+
+    def call(n, scale):
+        out = step(_params(n), jnp.zeros(n), scale)
+        np.testing.assert_array_equal(out, _reference(_params(n), np.zeros(n), scale))
+        counts.append((aot.TRACED[step.name], aot.events()))
+
+    traced, events = aot.TRACED[step.name], aot.events()
+    call(4, 2.0)
+    call(4, 2.0)  # a repeat: no trace
+    call(6, 2.0)  # a new shape
+    call(6, 2.0)
+    call(6, 3.0)  # a new static value
+    assert counts == [(traced + t, events + t) for t in (1, 1, 2, 2, 3)]

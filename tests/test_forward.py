@@ -115,7 +115,7 @@ def test_no_recompilation_within_a_bucket(fixture_path, load_model):
     ids = ids_for(model, 60)
 
     def snapshot():
-        return dict(engine.TRACE_COUNTS), dict(aot.LOADED)  # a program loaded from disk is not traced
+        return dict(aot.TRACED), dict(aot.LOADED)  # a program loaded from disk is not traced
 
     cache = model.new_cache(128)
     _, cache = model.prefill(ids[:3], cache)  # warm every shape used below

@@ -14,7 +14,6 @@ import pytest
 from fucina_jax import aot
 from fucina_jax.errors import FucinaError, SamplerConfigError
 from fucina_jax.sampling import (
-    TRACE_COUNTS,
     History,
     SamplerConfig,
     filter_mask,
@@ -502,7 +501,7 @@ def test_nothing_recompiles_when_values_history_or_positions_change():
 
     call(cfg_with(top_k=40), [1, 2], 0)
     push_history(history_from_tokens([1], W), drafts, jnp.int32(2))  # compiled (or loaded) once here
-    before = sum(TRACE_COUNTS.values()) + sum(aot.LOADED.values())
+    before = aot.events()
     push_before = push_history._cache_size()
     for i, kw in enumerate([dict(temperature=0.1), dict(temperature=0.0), dict(top_k=33), dict(top_k=64),
                             dict(top_p=0.5, min_p=0.2, min_keep=3), dict(seed=2**32 - 1),
@@ -511,7 +510,7 @@ def test_nothing_recompiles_when_values_history_or_positions_change():
         stream = rng.integers(0, V, int(rng.integers(0, 200))).tolist()
         call(cfg_with(**{"top_k": 40, **kw}), stream, 1000 * i)
         push_history(history_from_tokens(stream, W), drafts, jnp.int32(i % R))
-    assert sum(TRACE_COUNTS.values()) + sum(aot.LOADED.values()) == before
+    assert aot.events() == before
     assert push_history._cache_size() == push_before
 
 
@@ -519,10 +518,10 @@ def test_trace_counter_sees_a_new_shape():
     """Makes the no-recompile test above meaningful: a new shape is counted, exactly once."""
     p = cfg_with().params()
     x = jnp.zeros((2, 50), jnp.float32)
-    before = sum(TRACE_COUNTS.values()) + sum(aot.LOADED.values())
+    before = aot.events()
     for seed in range(3):
         sample_rows(x, jnp.arange(2), empty_history(16), None, p._replace(seed=jnp.uint32(seed)), cap=4)
-    assert sum(TRACE_COUNTS.values()) + sum(aot.LOADED.values()) == before + 1
+    assert aot.events() == before + 1
 
 
 def test_temporaries_stay_under_the_mmap_threshold():
