@@ -22,12 +22,13 @@ The store is `fucina_jax_steps/` inside JAX's compilation cache directory (fucin
 KEEP_ENVIRONMENTS environments used last. Everything else goes to the plain jax.jit function: a call with tracers
 (a step inside the user's own jit or grad), with Python scalars or other non-array leaves, with more than one
 device, or with jax_disable_jit; and functions outside fucina_jax keep their programs in their process only (the
-key does not cover their source). Attributes other than calling (`lower`, `trace`, `eval_shape`, ...) are the
-jax.jit function's.
+key does not cover their source). Attributes other than calling and `prepare` (`lower`, `trace`, `eval_shape`, ...)
+are the jax.jit function's.
 
 Every step counts its own traces (TRACED) and loads (LOADED): `events()`, their sum, moves across a call when that
 call traced a step or loaded a program, the one number the timers read to tell a call that brought its program in
-from one that only ran.
+from one that only ran. `Step.prepare(*args)` brings the program of a call in without running it, so a
+caller can time the two apart.
 
 The files are trusted like JAX's own cache entries: loading one runs code from the user's cache directory. A file
 that fails to load (truncated, from another jaxlib) is compiled again and overwritten.
@@ -88,7 +89,7 @@ _STEPS: weakref.WeakSet = weakref.WeakSet()  # every Step, for clear()
 def events() -> int:
     """sum(TRACED.values()) + sum(LOADED.values()): a change in it across a call means that call traced or loaded a
     program. A call that compiles a trace made before it (by `step.lower(...)` or `step.trace(...)` with the same
-    arguments) does not move it."""
+    arguments) does not move it: bring a program in ahead with `Step.prepare`."""
     return sum(TRACED.values()) + sum(LOADED.values())
 
 
@@ -151,18 +152,43 @@ class Step:
                 # one's id reused): the program's argument check raises before anything runs or is donated, and
                 # the full key below decides (the same program again re-raises its own error)
                 pass
-        try:
-            hash(static)
-        except TypeError:  # an unhashable static value: jax.jit reports it
+        keyed = self._keyed(dyn, static, _is_array)
+        if keyed is None:  # inside a dict: a tracer (the caller's transformation) or a scalar; or unhashable statics
             return self.jitted(*args, **kwargs)
-        leaves, tree = jax.tree_util.tree_flatten(dyn)
-        if not all(type(x) in _array_types() or _is_array(x) for x in leaves):
-            return self.jitted(*args, **kwargs)  # inside a dict: a tracer (the caller's transformation) or a scalar
-        exe = self._program(static, tree, leaves)
+        exe = self._program(static, *keyed)
         if len(self._recent) > 64:
             self._recent.clear()
         self._recent[fast] = (static, exe)  # holds the static values: their ids stay theirs while the entry lives
         return exe(*dyn)
+
+    def prepare(self, *args, **kwargs):
+        """Bring in the program a call with these arguments would run, without running it: loaded from the store,
+        or traced and compiled (and kept), so that the call itself only runs (`events()` does not move across it).
+        Takes the call's arguments, arrays or jax.ShapeDtypeStructs in their place; nothing is donated or deleted.
+        Returns the compiled program (None under jax_disable_jit, where a call compiles nothing).
+
+        A call that would go to the plain jax.jit function (the store off, tracers, Python scalars, unhashable
+        static values, ...) is prepared on that path: `jitted.trace(...).lower().compile()`, which leaves the
+        trace, the lowering and the executable in jax.jit's own caches, where the call finds them."""
+        if jax.config.jax_disable_jit:
+            return None
+        split = self._split(args, kwargs) if _store() is not None else None
+        keyed = None if split is None else self._keyed(*split, _is_array_or_spec)
+        if keyed is None:
+            return self.jitted.trace(*args, **kwargs).lower().compile()
+        return self._program(split[1], *keyed)
+
+    def _keyed(self, dyn: tuple, static: tuple, is_leaf_ok):
+        """(treedef, leaves) of the array arguments, for _program; None to leave the call to jax.jit: an unhashable
+        static value (jax.jit reports it), or a leaf is_leaf_ok refuses."""
+        try:
+            hash(static)
+        except TypeError:
+            return None
+        leaves, tree = jax.tree_util.tree_flatten(dyn)
+        if not all(type(x) in _array_types() or is_leaf_ok(x) for x in leaves):
+            return None
+        return tree, leaves
 
     def _split(self, args, kwargs):
         """(array arguments in signature order, ((name, value) of the static ones)), or None to leave the call to
@@ -267,6 +293,11 @@ def _array_types() -> frozenset:
 
 def _is_array(x) -> bool:
     return isinstance(x, (np.ndarray, np.generic, jax.Array)) and not isinstance(x, jax.core.Tracer)
+
+
+def _is_array_or_spec(x) -> bool:
+    """What Step.prepare takes in an array's place: the array, or its jax.ShapeDtypeStruct (the same signature)."""
+    return _is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _store() -> str | None:

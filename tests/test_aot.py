@@ -44,6 +44,8 @@ log.propagate = False
 enable_compilation_cache()
 step = sampling.push_history.jitted if sys.argv[1] == "jit" else sampling.push_history
 args = sampling.history_from_tokens([3, 1, 4, 1, 5], 8), np.asarray([9, 2, 6], np.int32), np.int32(2)
+if sys.argv[1] == "prepare":  # the program brought in first: the call itself then only runs it
+    step.prepare(*args)
 before_call = aot.events()
 out = step(*args)
 call_events = aot.events() - before_call
@@ -87,6 +89,19 @@ def test_a_kept_program_runs_in_a_new_process_without_tracing(tmp_path):
     assert first["out"] == second["out"] == plain["out"]
     assert plain["out"][0][:7] == [3, 1, 4, 1, 5, 9, 2]  # the program did its work: a real comparison
     assert len(entries(tmp_path, ".key")) == len(entries(tmp_path, ".bin")) == 1
+
+
+def test_prepare_brings_the_program_in_and_the_call_only_runs_it(tmp_path):
+    """prepare() compiles (a new store) or loads (a warm one) the program; the call after it moves events() by 0."""
+    cold, _ = run(tmp_path, "prepare")
+    assert cold["traced"] == ["push_history"] and cold["compiled"] == 1 and cold["counted"] == {PUSH: 1}
+    assert cold["events"] == 1 and cold["call_events"] == 0
+    warm, _ = run(tmp_path, "prepare")
+    assert warm["traced"] == [] and warm["loaded"] == 1 and warm["counted"] == {}
+    assert warm["events"] == 1 and warm["call_events"] == 0
+    unprepared, _ = run(tmp_path, "aot")
+    assert cold["out"] == warm["out"] == unprepared["out"]
+    assert cold["out"][0][:7] == [3, 1, 4, 1, 5, 9, 2]
 
 
 def test_a_new_environment_with_the_same_module_reuses_the_program(tmp_path):
@@ -282,3 +297,25 @@ def test_traced_counts_one_trace_per_new_shape_or_static_value(path):
     call(6, 2.0)
     call(6, 3.0)  # a new static value
     assert counts == [(traced + t, events + t) for t in (1, 1, 2, 2, 3)]
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["arrays", "shape structs"])
+def test_prepare_then_call_moves_no_event_and_gives_the_unprepared_result(path, spec):
+    step = _fresh_step()
+    p, acc = _params(5), jax.device_put(np.full(5, 0.5, np.float32))
+    args = (p, acc)
+    if spec:
+        args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    before = aot.events()
+    step.prepare(*args, scale=2.0)
+    assert aot.events() == before + 1  # traced here (and compiled)
+    assert not acc.is_deleted()  # nothing ran: nothing was donated
+    if path == "store":
+        assert len(step._programs) == 1  # where the call looks first (not only jax.jit's caches)
+    prepared = aot.events()
+    out = step(p, acc, scale=2.0)
+    assert aot.events() == prepared  # the call only ran the program
+    assert acc.is_deleted()  # the call itself still donates
+    unprepared = _fresh_step()(p, jax.device_put(np.full(5, 0.5, np.float32)), 2.0)
+    np.testing.assert_array_equal(out, unprepared)
+    np.testing.assert_array_equal(out, _reference(p, np.full(5, 0.5), 2.0))
