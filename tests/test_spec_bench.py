@@ -148,6 +148,29 @@ def test_cli_spec_bench_writes_a_table_the_cli_loads(fixture_path, tmp_path, cap
     assert res["spec"] is not None and res["n_gen"] > 0
 
 
+def test_cli_spec_bench_without_matplotlib_writes_the_table_and_skips_the_plot(probe, fixture_path, tmp_path,
+                                                                               capsys, monkeypatch):
+    """matplotlib is in the [bench] extra only: without it the table is still written, one line says the plot was
+    skipped and how to get it, and the run succeeds (it used to end in a ModuleNotFoundError traceback)."""
+    import sys
+
+    from fucina_jax import cli
+    from fucina_jax.speculative import bench
+
+    result, _, _ = probe
+    monkeypatch.setattr(bench, "measure_cost_table", lambda model, **kw: result)  # the probe's: no second timing
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    base = str(tmp_path / "probe")
+    assert cli.main([fixture_path("qwen3"), "--spec-bench", "--spec-bench-out", base, "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    with open(base + ".json") as f:
+        assert [e["width"] for e in json.load(f)["table"]] == list(engine.VERIFY_BUCKETS)
+    assert not (tmp_path / "probe.png").exists()
+    (line,) = [ln for ln in captured.out.splitlines() if "matplotlib" in ln]
+    assert line.startswith(f"skipped the plot {base}.png") and "pip install matplotlib" in line and "[bench]" in line
+
+
 def test_cli_bad_cost_table_is_one_error_line(fixture_path, tmp_path, capsys):
     from fucina_jax import cli
 

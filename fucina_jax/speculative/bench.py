@@ -244,8 +244,13 @@ def load_cost_table(path: str | os.PathLike) -> tuple[CostPoint, ...]:
     return table
 
 
+# How to get the plot when matplotlib is missing (it is in the [bench] extra only, not a dependency).
+PLOT_HINT = "to get it: pip install matplotlib, or the project's [bench] extra (pip install -e '.[bench]')"
+
+
 def plot_cost_table(result: CostTableResult, path: str | os.PathLike) -> str:
-    """PNG: C(k) in plain steps (left) and the break-even acceptance bounds (C(k) - 1)/k and C(k)/k (right)."""
+    """PNG: C(k) in plain steps (left) and the break-even acceptance bounds (C(k) - 1)/k and C(k)/k (right).
+    Needs matplotlib (ImportError without it: see PLOT_HINT)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -286,7 +291,7 @@ def run_spec_bench(model, *, json_path: str | None, png_path: str | None, ctx: i
                    prompt_len: int = DEFAULT_PROMPT_LEN, progress: bool = True, command: str = "",
                    out=None) -> CostTableResult:
     """Measure, print the table (to `out`, default stdout), write the JSON and the PNG (either path may be None
-    to skip it)."""
+    to skip it). Without matplotlib the PNG is skipped with one line saying so and how to get it."""
     out = out or sys.stdout
     result = measure_cost_table(model, ctx=ctx, sampler=sampler, reps=reps, rounds=rounds, prompt_len=prompt_len,
                                 progress=progress, command=command)
@@ -295,8 +300,14 @@ def run_spec_bench(model, *, json_path: str | None, png_path: str | None, ctx: i
         save_cost_table(result, json_path)
         print(f"wrote {json_path} (use it with --cost-table {json_path})", file=out)
     if png_path:
-        plot_cost_table(result, png_path)
-        print(f"wrote {png_path}", file=out)
+        try:
+            plot_cost_table(result, png_path)
+        except ImportError as e:  # its only imports are matplotlib's: missing, or an install that cannot load
+            reason = str(e).partition("\n")[0]
+            why = "is not installed" if e.name == "matplotlib" else f"failed to import ({reason})"
+            print(f"skipped the plot {png_path}: it needs matplotlib, which {why}; {PLOT_HINT}", file=out)
+        else:
+            print(f"wrote {png_path}", file=out)
     return result
 
 
