@@ -445,7 +445,7 @@ def test_python_bpe_equals_hf_bpe(vocabs, texts, name):
     tok = vocabs(name).tok
     assert tok.bpe_engine == "hf"
     py = Tokenizer.from_metadata(vocabs(name).metadata)
-    py._bpe = py._bpe_py
+    py._encoder.engine = py._encoder.py
     for text in texts[:-1]:
         assert py.encode(text, parse_special=True) == tok.encode(text, parse_special=True), text[:60]
 
@@ -455,7 +455,7 @@ def test_sentencepiece_chunking_does_not_change_ids(vocabs, texts):
     tok = vocabs("gemma3").tok
     for text in texts[:-1]:
         s = text.replace(" ", "\u2581")[:3000]
-        assert tok._spm_fragment(s) == tok._spm_chunk(s), text[:60]
+        assert tok._encoder.fragment(s) == tok._encoder.chunk(s), text[:60]
 
 
 def test_inconsistent_merges_use_python_engine_like_llama_cpp(tmp_path):
