@@ -1,0 +1,33 @@
+"""An OpenAI-compatible HTTP server: `python -m fucina_jax.serve [MODEL.gguf]` (or scripts/serve.py).
+
+Layout:
+  backend.py   the interface the HTTP layer talks to (GenRequest, Ticket and its events, Backend), the shared
+               TextAssembler (token ids -> text deltas with stop strings), and SerialBackend (one request at a time
+               on one worker thread, through fucina_jax.generate / fucina_jax.speculative);
+  protocol.py  OpenAI's wire format: request JSON -> a validated GenRequest, the response and chunk objects, errors;
+  app.py       the Starlette app: routes, server-sent events, disconnects, the thread -> event-loop bridge;
+  cli.py       flags, model loading, warm-up, uvicorn, graceful SIGTERM.
+
+Why these components:
+  - Starlette, not FastAPI: FastAPI is Starlette plus pydantic request models; its value is declarative validation
+    and generated docs, but its validation errors are 422s in its own shape, and OpenAI's error objects (400 with
+    `param` and `code`) would need every one of them remapped. Validation is one hand-written module
+    (protocol.py) that returns exactly OpenAI's errors, so the framework only has to route and stream; Starlette
+    does that on anyio alone, with no model layer.
+  - uvicorn: the reference ASGI server; graceful shutdown on SIGTERM (stop accepting, wait for in-flight responses
+    up to `timeout_graceful_shutdown`, then the app's lifespan end, which drains the backend).
+  - Starlette's StreamingResponse, not sse-starlette: OpenAI's stream is only `data: {json}` lines and a final
+    `data: [DONE]`, no event names, ids or retry fields; StreamingResponse already watches for the client's
+    disconnect and cancels the body iterator (which cancels the ticket), and the keep-alive comment line is three
+    lines of code. sse-starlette would add a dependency for features the format does not use.
+"""
+
+__all__ = ["GenRequest", "Ticket", "Backend", "SerialBackend", "QueueFull", "Delta", "Done", "Failed"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from fucina_jax.serve import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module 'fucina_jax.serve' has no attribute {name!r}")
