@@ -14,7 +14,7 @@ import codecs
 import re
 import zlib
 from functools import lru_cache
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from fucina_jax.errors import TokenizerError
 
@@ -224,10 +224,9 @@ def _valid_prefix(data: bytes | memoryview, i: int) -> tuple[str, int]:
         return codecs.utf_8_decode(data[i:i + e.start], "strict", True)[0], i + e.start
 
 
-def _llama_cpts(data: bytes) -> str:
-    """llama.cpp `unicode_cpts_from_utf8`: a byte that does not start a well-formed-enough sequence becomes U+FFFD
-    and decoding resumes at the next byte; overlong forms and surrogates are accepted as code points (kept here as
-    lone surrogates / their value, re-encoded with `surrogatepass` later)."""
+def _lenient_decode(data: bytes, invalid: Callable[[bytes, int], tuple[str, int]]) -> str:
+    """Decode UTF-8 `data`, handing every offset where strict decoding stops to `invalid(data, offset)`, which returns
+    the characters llama.cpp makes of the bytes there and how many bytes they take."""
     mv = memoryview(data)
     out: list[str] = []
     i, n = 0, len(data)
@@ -236,28 +235,36 @@ def _llama_cpts(data: bytes) -> str:
         out.append(text)
         if i >= n:
             break
-        b = data[i]
-        # sequence length from the lead byte; every byte after it must be a continuation byte (nothing else is
-        # checked: overlong forms and surrogates pass)
-        size = 1 if not b & 0x40 else 2 if not b & 0x20 else 3 if not b & 0x10 else 4 if not b & 0x08 else 0
-        cpt = None
-        if size > 1 and i + size <= n and all(data[i + k] & 0xC0 == 0x80 for k in range(1, size)):
-            cpt = b & (0x7F >> size)
-            for k in range(1, size):
-                cpt = (cpt << 6) | (data[i + k] & 0x3F)
-        else:
-            size = 1
-        if cpt is None:
-            out.append("\ufffd")
-        elif cpt > 0x10FFFF:
-            raise TokenizerError(
-                f"input bytes at offset {i} decode to code point U+{cpt:X}, beyond Unicode; llama.cpp cannot "
-                "tokenize this either. Fix the file's encoding."
-            )
-        else:
-            out.append(chr(cpt))
+        text, size = invalid(data, i)
+        out.append(text)
         i += size
     return "".join(out)
+
+
+def _llama_cpt_at(data: bytes, i: int) -> tuple[str, int]:
+    """The code point llama.cpp decodes at data[i], where strict decoding stopped, and its length in bytes."""
+    b = data[i]
+    # sequence length from the lead byte; every byte after it must be a continuation byte (nothing else is
+    # checked: overlong forms and surrogates pass)
+    size = 1 if not b & 0x40 else 2 if not b & 0x20 else 3 if not b & 0x10 else 4 if not b & 0x08 else 0
+    if not (size > 1 and i + size <= len(data) and all(data[i + k] & 0xC0 == 0x80 for k in range(1, size))):
+        return "\ufffd", 1
+    cpt = b & (0x7F >> size)
+    for k in range(1, size):
+        cpt = (cpt << 6) | (data[i + k] & 0x3F)
+    if cpt > 0x10FFFF:
+        raise TokenizerError(
+            f"input bytes at offset {i} decode to code point U+{cpt:X}, beyond Unicode; llama.cpp cannot "
+            "tokenize this either. Fix the file's encoding."
+        )
+    return chr(cpt), size
+
+
+def _llama_cpts(data: bytes) -> str:
+    """llama.cpp `unicode_cpts_from_utf8`: a byte that does not start a well-formed-enough sequence becomes U+FFFD
+    and decoding resumes at the next byte; overlong forms and surrogates are accepted as code points (kept here as
+    lone surrogates / their value, re-encoded with `surrogatepass` later)."""
+    return _lenient_decode(data, _llama_cpt_at)
 
 
 _OPAQUE_BASE = 0xDC00  # an undecodable byte b travels through the SentencePiece path as chr(0xDC00 + b)
@@ -267,22 +274,17 @@ _SURROGATE_SPLIT = re.compile("([\ud800-\udfff])")
 _MEMO_MAX_LEN = 64  # longer words/chunks rarely repeat: not worth memoizing
 
 
+def _opaque_symbol_at(data: bytes, i: int) -> tuple[str, int]:
+    """The invalid symbol at data[i] as opaque characters, and its length in bytes."""
+    size = min(_utf8_len(data[i]), len(data) - i)
+    return "".join(chr(_OPAQUE_BASE + b) for b in data[i:i + size]), size
+
+
 def _llama_spm_chars(data: bytes) -> str:
     """The symbols llama.cpp's SentencePiece tokenizer starts from: one per UTF-8 lead byte (length from the lead
     byte, no validation). A symbol that is not valid UTF-8 can never be a vocabulary piece, so its bytes become
     opaque characters that only byte fallback can emit."""
-    mv = memoryview(data)
-    out: list[str] = []
-    i, n = 0, len(data)
-    while i < n:
-        text, i = _valid_prefix(mv, i)
-        out.append(text)
-        if i >= n:
-            break
-        size = min(_utf8_len(data[i]), n - i)
-        out.append("".join(chr(_OPAQUE_BASE + b) for b in data[i:i + size]))
-        i += size
-    return "".join(out)
+    return _lenient_decode(data, _opaque_symbol_at)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
