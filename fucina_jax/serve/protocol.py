@@ -309,24 +309,29 @@ def _check_model(obj: dict, info: ModelInfo) -> str:
     return info.id
 
 
+def _strings(obj: dict, name: str, max_n: int, what: str, *, max_len: int | None = None,
+             single: bool = False) -> list[str]:
+    """A list of at most max_n non-empty strings (or one string, when `single`); absent/null: []."""
+    v = obj.get(name)
+    if v is None:
+        return []
+    if single and isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list):
+        raise _type_error(name, "a string or an array of strings" if single else "an array of strings", v)
+    if len(v) > max_n:
+        raise _bad(f"Invalid '{name}': at most {max_n} {what}s, got {len(v)}.", name)
+    for x in v:
+        _text(x, name)
+        if not x:
+            raise _bad(f"Invalid '{name}': a {what} must not be empty.", name)
+        if max_len is not None and len(x) > max_len:
+            raise _bad(f"Invalid '{name}': a {what} is at most {max_len} characters, got {len(x)}.", name)
+    return v
+
+
 def _stops(obj: dict, info: ModelInfo) -> tuple[tuple[str, ...], frozenset]:
-    stop = obj.get("stop")
-    if stop is None:
-        strings: list = []
-    elif isinstance(stop, str):
-        strings = [stop]
-    elif isinstance(stop, list):
-        strings = stop
-    else:
-        raise _type_error("stop", "a string or an array of strings", stop)
-    if len(strings) > MAX_STOP:
-        raise _bad(f"Invalid 'stop': at most {MAX_STOP} stop sequences, got {len(strings)}.", "stop")
-    for s in strings:
-        _text(s, "stop")
-        if not s:
-            raise _bad("Invalid 'stop': a stop sequence must not be empty.", "stop")
-        if len(s) > MAX_STOP_LEN:
-            raise _bad(f"Invalid 'stop': a stop sequence is at most {MAX_STOP_LEN} characters, got {len(s)}.", "stop")
+    strings = _strings(obj, "stop", MAX_STOP, "stop sequence", max_len=MAX_STOP_LEN, single=True)
     ids = obj.get("stop_token_ids")
     if ids is None:
         ids = []
@@ -364,17 +369,7 @@ def _sampler(obj: dict) -> SamplerConfig:
 
 
 def _speculation(obj: dict, info: ModelInfo) -> tuple[bool, tuple[str, ...]]:
-    refs = obj.get("references")
-    if refs is None:
-        refs = []
-    if not isinstance(refs, list):
-        raise _type_error("references", "an array of strings", refs)
-    if len(refs) > MAX_REFERENCES:
-        raise _bad(f"Invalid 'references': at most {MAX_REFERENCES} documents, got {len(refs)}.", "references")
-    for r in refs:
-        _text(r, "references")
-        if not r:
-            raise _bad("Invalid 'references': a reference document must not be empty.", "references")
+    refs = _strings(obj, "references", MAX_REFERENCES, "reference document")
     spec = obj.get("speculation")
     if spec is not None and not isinstance(spec, bool):
         raise _type_error("speculation", "a boolean", spec)
