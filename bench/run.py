@@ -146,7 +146,7 @@ class Runner:
 
     def _fucina(self, spec: bool, task: Task, gen: int) -> dict:
         from fucina_jax.generate import generate
-        from fucina_jax.speculative import generate_speculative
+        from fucina_jax.generate import generate_speculative
 
         kw = {"max_tokens": gen, "sampler": _sampler(task, self.seed), "ctx": self.ctx, "stop_ids": self.stops}
         if spec:

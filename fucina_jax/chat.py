@@ -8,8 +8,8 @@ re-prefilled from there, so the model always sees exactly the tokens a fresh pre
 
 Speculation (design record sections 7-9): the conversation owns one `SpeculationIndex` and one decoder for its whole
 life, so the conversation suffix automaton, the reference cursors, the recycling matrix and the cost gate carry over
-between turns. The decoder sees the index through a `TurnGate`, which keeps the index's stream byte-exact with the
-committed conversation: tokens a turn's trim discards (a stop marker, anything past a stop, what an interrupt left
+between turns. The decoder sees the index through a `TurnBufferedSource`, which keeps the index's stream byte-exact
+with the committed conversation: tokens a turn's trim discards (a stop marker, anything past a stop, what an interrupt left
 uncommitted) are never observed, and the index's pending-draft accounting is cut to match
 (`SpeculationIndex.truncate_pending`).
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import signal
 import sys
@@ -33,11 +32,13 @@ import numpy as np
 
 from fucina_jax.chat_template import ChatTemplate, chat_template_for, encode_chat
 from fucina_jax.checks import is_int, undecodable_byte
+from fucina_jax.decoder import INTERRUPTED, MAX_TOKENS, STOP_SEQUENCE, Decoder, Request
 from fucina_jax.errors import ChatOptionsError, ContextFullError, FucinaError
 from fucina_jax.model import Model
 from fucina_jax.sampling import SamplerConfig, validated_config
+from fucina_jax.speculative import SpecOptions, TurnBufferedSource, reference_ids
 
-__all__ = ["ChatOptions", "Conversation", "Reply", "TurnGate", "repl"]
+__all__ = ["ChatOptions", "Conversation", "Reply", "repl"]
 
 DEFAULT_MAX_TOKENS = 512  # generated tokens per turn
 
@@ -52,7 +53,7 @@ class ChatOptions:
     ctx: int | None = None
     system: str | None = None
     speculation: bool = False
-    spec_options: object | None = None  # fucina_jax.speculative.SpecOptions; None = its defaults
+    spec_options: SpecOptions | None = None  # None = its defaults
     extra_stop_ids: tuple[int, ...] = ()
     stop_sequences: tuple[str, ...] = ()
     template: ChatTemplate | None = None  # None = chat_template_for(model.tokenizer)
@@ -69,8 +70,6 @@ class ChatOptions:
         if bad:
             raise ChatOptionsError(f"extra_stop_ids {bad} are not token ids of this model (0..{n_vocab - 1})")
         if self.spec_options is not None:
-            from fucina_jax.speculative import SpecOptions
-
             if not isinstance(self.spec_options, SpecOptions):
                 raise TypeError(f"spec_options must be a fucina_jax.speculative.SpecOptions (or None), got "
                                 f"{type(self.spec_options).__name__}")
@@ -100,171 +99,12 @@ class Reply:
 
     text: str
     tokens: list[int]
-    stop_reason: str  # "stop" (an end-of-generation or extra stop id) | "stop_sequence" | "max_tokens" | "context"
-    #                   | "interrupted" (KeyboardInterrupt, an error, or the stream closed early)
+    stop_reason: str  # a fucina_jax.decoder stop reason: STOP (an end-of-generation or extra stop id) |
+    #                   STOP_SEQUENCE | MAX_TOKENS | CONTEXT | INTERRUPTED (KeyboardInterrupt, an error, or the
+    #                   stream closed early)
     n_prefilled: int
     n_reused: int
     seconds: float
-
-
-class _NoDrafts:
-    """The source of a conversation without speculation (the decoder runs with SpecOptions(enabled=False) and
-    never asks it for a draft)."""
-
-    wants_topk = False
-
-    def suggest(self, context, buf) -> int:
-        return 0
-
-    def observe(self, committed) -> None:
-        pass
-
-    def observe_topk(self, rows) -> None:
-        pass
-
-
-class TurnGate:
-    """The decoder's view of the conversation index: forwards drafts, holds back the latest committed slice.
-
-    The decoder shows every committed slice to its source at once, but only the chat loop knows whether the turn
-    keeps it (a stop sequence, the turn limit or an interrupt may cut it). So the gate forwards each slice (and its
-    top-K rows) to the index only when the next one arrives or the next draft is asked for, and `end_turn(keep)`
-    settles the last one: the part past the conversation's kept length is dropped and the index's pending draft is
-    cut to what was kept, so those tokens count as neither accepted nor rejected. `sync(stream)` then brings the
-    index to exactly the committed conversation: it observes the new turn's tokens, or rebuilds the index (same
-    references) when the committed stream no longer extends what the index has seen.
-    """
-
-    def __init__(self, vocab_size: int, index_factory=None):
-        from fucina_jax.index import SpeculationIndex
-
-        self._factory = index_factory or (lambda: SpeculationIndex(vocab_size))
-        self.index = self._factory()
-        self._refs: list[np.ndarray] = []
-        self._held: np.ndarray | None = None
-        self._held_topk: np.ndarray | None = None
-        self.rebuilds = 0
-
-    # ---- DraftSource ------------------------------------------------------------------------------------
-
-    @property
-    def wants_topk(self) -> bool:
-        return bool(getattr(self.index, "wants_topk", False))
-
-    def suggest(self, context: np.ndarray, buf: np.ndarray) -> int:
-        self._flush()
-        return self.index.suggest(context, buf)
-
-    def observe(self, committed: np.ndarray) -> None:
-        self._flush()
-        self._held = np.array(committed, np.int32)
-
-    def observe_topk(self, rows: np.ndarray) -> None:
-        self._held_topk = np.array(rows)
-
-    # ---- turns ------------------------------------------------------------------------------------------
-
-    def end_turn(self, keep: int) -> None:
-        """The conversation keeps `keep` stream tokens: forward the held slice up to there, drop the rest."""
-        held, rows = self._held, self._held_topk
-        self._held = self._held_topk = None
-        base = self.index.n_committed
-        if held is None:
-            self.index.truncate_pending(0)  # a draft whose verify never committed (an interrupt)
-            return
-        k = max(0, min(len(held), keep - base))
-        # The turn ended after this slice (a stop, the limit, an interrupt, a trim): draft tokens past the kept
-        # part were never committed, so their outcome is unknown - not a rejection.
-        self.index.truncate_pending(k)
-        self.index.observe(held[:k])
-        if rows is not None and k:
-            # rows[j] belongs to held[len(held) - len(rows) + j]; keep the ones of the kept tokens
-            first = len(held) - len(rows)
-            rows = rows[: max(0, k - first)]
-            if len(rows):
-                self.index.observe_topk(rows)
-
-    def sync(self, stream: np.ndarray) -> None:
-        """Make the index's observed stream equal `stream` (the committed conversation)."""
-        self._flush()
-        seen = self.index.stream()
-        if len(seen) <= len(stream) and np.array_equal(seen, stream[: len(seen)]):
-            if len(stream) > len(seen):
-                self.index.observe(np.asarray(stream[len(seen):], np.int32))
-            return
-        # The conversation was cut before tokens the index already learned (a re-rendered previous reply, a
-        # stop sequence reaching back over earlier slices): an online suffix automaton cannot forget, so rebuild.
-        self.rebuilds += 1
-        self.index = self._factory()
-        for ref in self._refs:
-            self.index.add_reference(ref)
-        if len(stream):
-            self.index.observe(np.asarray(stream, np.int32))
-
-    def add_reference(self, tokens: np.ndarray) -> int:
-        self._flush()
-        n = self.index.add_reference(tokens)
-        self._refs.append(np.asarray(tokens, np.int32))
-        return n
-
-    def clear_references(self) -> None:
-        self._flush()
-        self.index.clear_references()
-        self._refs.clear()
-
-    def _flush(self) -> None:
-        if self._held is not None:
-            held, rows = self._held, self._held_topk
-            self._held = self._held_topk = None
-            self.index.observe(held)
-            if rows is not None:
-                self.index.observe_topk(rows)
-
-
-@functools.cache
-def _turn_decoder_class():
-    from fucina_jax import sampling
-    from fucina_jax.models import truncate
-    from fucina_jax.speculative import SpeculativeDecoder
-
-    class TurnDecoder(SpeculativeDecoder):
-        """SpeculativeDecoder that continues over its cache across turns (`resume`) and can drop committed tokens
-        (`rewind`). Same invariant between steps: stream[:n] committed, the cache holds positions 0..n-2."""
-
-        def resume(self, keep: int, ids: np.ndarray):
-            """Make the stream `ids`, reusing the cache for ids[:keep] (which must equal stream[:keep]); prefill
-            the rest and return the logits [1, V] after the last id. The source is not shown anything
-            (TurnGate.sync)."""
-            ids = np.asarray(ids, np.int32)
-            if not 0 < ids.size < self.ctx:
-                raise ContextFullError(
-                    f"the conversation has {ids.size} tokens but the context holds {self.ctx}: use a larger --ctx, "
-                    "or start a new conversation (/reset in the REPL)"
-                )
-            cache = self.cache
-            c = min(keep, self._cache_len) if cache is not None else 0
-            c = min(c, ids.size - 1)  # at least one id to prefill: its logits pick the first reply token
-            if cache is None:
-                cache = self.model.new_cache(self.ctx)
-            self.cache = None
-            self.n = 0  # until the prefill is done, nothing in the cache can be trusted
-            self._cache_len = 0
-            logits, cache = self.model.prefill_rows(ids[c:], truncate(cache, c))
-            self.cache = cache
-            self._cache_len = int(ids.size)
-            self.stream[: ids.size] = ids
-            self.n = int(ids.size)
-            self.history = sampling.history_from_tokens(ids.tolist(), self.sampler.history_capacity(self.ctx))
-            return logits
-
-        def rewind(self, n: int) -> None:
-            """Drop committed tokens past n (the cache follows; the history is rebuilt by the next resume)."""
-            if n < self.n:
-                self.n = n
-                if self.cache is not None:
-                    self._settle_cache()
-
-    return TurnDecoder
 
 
 class Conversation:
@@ -302,21 +142,18 @@ class Conversation:
 
     def reset(self) -> None:
         """Start over (no messages, an empty cache and index, fresh statistics); reference documents stay."""
-        from fucina_jax.speculative import SpecOptions
-
         o = self.options
         self.messages: list[dict] = [{"role": "system", "content": o.system}] if o.system is not None else []
         if o.speculation:
-            self.gate: TurnGate | None = TurnGate(self.model.config.n_vocab)
+            self.source: TurnBufferedSource | None = TurnBufferedSource(self.model.config.n_vocab)
             for ref in self._refs:
-                self.gate.add_reference(ref)
-            source, spec_options = self.gate, o.spec_options or SpecOptions()
+                self.source.add_reference(ref)
+            spec_options = o.spec_options or SpecOptions()
         else:
-            self.gate = None
-            source, spec_options = _NoDrafts(), SpecOptions(enabled=False)
+            self.source = None
+            spec_options = SpecOptions(enabled=False)
         clock = time.perf_counter_ns if o.clock else None
-        self.decoder = _turn_decoder_class()(self.model, source, sampler=o.sampler, ctx=self.ctx,
-                                             options=spec_options, clock=clock)
+        self.decoder = Decoder(self.model, ctx=self.ctx, options=spec_options, clock=clock)
         self.turns = 0
         self.n_prefilled = 0
         self.n_reused = 0
@@ -327,7 +164,8 @@ class Conversation:
     @property
     def tokens(self) -> np.ndarray:
         """The committed conversation stream (prompt turns and kept replies), int32."""
-        return self.decoder.stream[: self.decoder.n].copy()
+        row = self.decoder.rows[0]
+        return row.stream[: row.n].copy() if row is not None else np.zeros(0, np.int32)
 
     def send(self, text: str) -> Reply:
         for _ in self.stream(text):
@@ -353,30 +191,29 @@ class Conversation:
     def add_spec_reference(self, doc: str | Sequence[int]) -> int:
         """Index a reference document (text is encoded with the model's tokenizer, no BOS); returns its number.
         It matches the conversation so far at once and drafts from the next step on."""
-        if self.gate is None:
+        if self.source is None:
             raise ChatOptionsError("reference documents feed speculation: create the Conversation with "
                                    "speculation=True (--spec)")
-        from fucina_jax.speculative.decoder import reference_ids
-
         arr = reference_ids(self.model, doc)
-        n = self.gate.add_reference(arr)
+        n = self.source.add_reference(arr)
         self._refs.append(arr)
         return n
 
     def clear_spec_references(self) -> None:
         self._refs.clear()
-        if self.gate is not None:
-            self.gate.clear_references()
+        if self.source is not None:
+            self.source.clear_references()
 
     def stats(self) -> dict:
         """Counts over the conversation since the last reset, plus the decoder's and the index's statistics."""
-        out = dict(turns=self.turns, tokens=int(self.decoder.n), prefilled=self.n_prefilled, reused=self.n_reused,
+        out = dict(turns=self.turns, tokens=len(self.tokens), prefilled=self.n_prefilled, reused=self.n_reused,
                    generated=self.n_generated, prefill_seconds=round(self.prefill_seconds, 3),
                    decode_seconds=round(self.decode_seconds, 3), ctx=self.ctx)
-        if self.gate is not None:
-            out["spec"] = self.decoder.spec_stats()
-            out["spec"]["sources_summary"] = self.gate.index.summary()
-            out["index_rebuilds"] = self.gate.rebuilds
+        if self.source is not None:
+            out["spec"] = self.decoder.spec_stats() if self.decoder.rows[0] is not None else {
+                "summary": "spec: no turn yet"}
+            out["spec"]["sources_summary"] = self.source.index.summary()
+            out["index_rebuilds"] = self.source.rebuilds
         return out
 
     def stats_summary(self) -> str:
@@ -401,29 +238,30 @@ class Conversation:
         tok = self.model.tokenizer
         t_start = time.perf_counter()
         # The longest committed prefix of the new rendering: the cache (and index) keep it, the rest is prefilled.
-        n_old = dec.n if dec.cache is not None else 0
-        m = min(n_old, ids.size)
-        diff = np.flatnonzero(dec.stream[:m] != ids[:m])
+        old = self.tokens
+        m = min(old.size, ids.size)
+        diff = np.flatnonzero(old[:m] != ids[:m])
         keep = int(diff[0]) if diff.size else m
+        request = Request(tuple(ids.tolist()), o.max_tokens, o.sampler, self.stop_ids, self.source)
         try:
-            logits = dec.resume(keep, ids)
+            logits = dec.begin([request], keep=[keep])
             logits.block_until_ready()  # the prefill's time belongs to the prefill, not to the first decode step
         except BaseException:
             self.messages.pop()
-            self._recover()
             self._active = False
             raise
-        reused = min(keep, ids.size - 1)
-        self.n_reused += reused
-        self.n_prefilled += int(ids.size) - reused
+        row = dec.rows[0]
+        self.n_reused += row.reused
+        self.n_prefilled += int(ids.size) - row.reused
         t_prefill = time.perf_counter()
         self.prefill_seconds += t_prefill - t_start
-        if self.gate is not None:
-            self.gate.sync(ids)
+        if self.source is not None:
+            self.source.sync(ids)
 
         base = int(ids.size)
+        reused = row.reused
         gen: list[int] = []
-        stop = "max_tokens"
+        stop = MAX_TOKENS
         text = ""  # the reply text so far
         shown = 0  # characters of text already yielded
         hold = max((len(s) for s in o.stop_sequences), default=1) - 1  # a stop may still be completing there
@@ -431,9 +269,9 @@ class Conversation:
         sdec = tok.stream_decoder()
         finished = False  # the turn's end is decided: closing the stream now only skips the rest of the text
         try:
-            committed, stopped = dec.bootstrap(logits, self.stop_ids)
+            outcome = dec.first(logits)[0]
             while True:
-                for t in committed:
+                for t in outcome.committed:
                     gen.append(t)
                     text += sdec.feed(t)
                 if o.stop_sequences:
@@ -442,7 +280,7 @@ class Conversation:
                     hits = [i for i in (text.find(s, lo) for s in o.stop_sequences) if i >= 0]
                     if hits:
                         cut = min(hits)
-                        stop = "stop_sequence"
+                        stop = STOP_SEQUENCE
                         finished = True
                         if cut > shown:
                             yield text[shown:cut]
@@ -452,16 +290,10 @@ class Conversation:
                 if safe > shown:
                     yield text[shown:safe]
                     shown = safe
-                if stopped:
-                    stop = "stop"
+                if not row.active:
+                    stop = row.finish  # STOP, MAX_TOKENS or CONTEXT: the decoder's stop rules
                     break
-                if len(gen) >= o.max_tokens:
-                    break
-                if base + len(gen) >= self.ctx:
-                    stop = "context"
-                    break
-                limit = min(o.max_tokens - len(gen), self.ctx - base - len(gen))
-                committed, stopped = dec.step(limit, self.stop_ids)
+                outcome = dec.step()[0]
             finished = True
             if cut is None:
                 text += sdec.flush()
@@ -470,7 +302,7 @@ class Conversation:
                     shown = len(text)
         except BaseException:  # KeyboardInterrupt, the consumer closing the stream (GeneratorExit), an error
             if not finished:
-                stop = "interrupted"
+                stop = INTERRUPTED
             raise
         finally:
             self._end_turn(base, gen, text if cut is None else text[:cut], stop, reused, t_start, t_prefill)
@@ -482,7 +314,7 @@ class Conversation:
         self._active = False
         tok = self.model.tokenizer
         dec = self.decoder
-        if stop == "stop_sequence":
+        if stop == STOP_SEQUENCE:
             # keep the tokens whose bytes lie wholly inside the trimmed text; a token straddling the cut is
             # dropped and the next turn re-prefills the reply text as the template renders it
             budget = len(text.encode("utf-8"))
@@ -493,29 +325,18 @@ class Conversation:
                     break
                 kept += 1
             gen = gen[:kept]
-        elif stop == "interrupted":
+        elif stop == INTERRUPTED:
             text = tok.decode(gen)  # an interrupt may land between commit and display: store what was committed
-        self._recover()
-        dec.rewind(min(dec.n, base + len(gen)))
-        if self.gate is not None:
-            self.gate.end_turn(dec.n)
+        row = dec.rows[0]
+        dec.rewind(0, min(row.n, base + len(gen)))
+        if self.source is not None:
+            self.source.end_turn(row.n)
         self.messages.append({"role": "assistant", "content": text})
         self.turns += 1
         self.n_generated += len(gen)
         self.decode_seconds += time.perf_counter() - t_prefill
         self.last_reply = Reply(text=text, tokens=list(gen), stop_reason=stop, n_prefilled=base - reused,
                                 n_reused=reused, seconds=time.perf_counter() - t_start)
-
-    def _recover(self) -> None:
-        """After an interrupt the cache buffers may have been donated to a step that never returned: drop them
-        (the next turn re-prefills the committed stream from position 0)."""
-        import jax
-
-        dec = self.decoder
-        if dec.cache is None or any(getattr(x, "is_deleted", lambda: False)()
-                                    for x in jax.tree_util.tree_leaves(dec.cache)):
-            dec.cache = None
-            dec._cache_len = 0
 
 
 # ---- the REPL -------------------------------------------------------------------------------------------------

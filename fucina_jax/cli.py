@@ -284,7 +284,7 @@ def run(args) -> int:
     if not ids:
         raise CLIError("the prompt is empty and the model adds no BOS token: give --prompt")
     if spec_options is not None:
-        from fucina_jax.speculative import generate_speculative
+        from fucina_jax.generate import generate_speculative
 
         gen = generate_speculative(model, ids, max_tokens=args.gen, sampler=sampler, ctx=ctx, references=refs,
                                    options=spec_options)
@@ -307,9 +307,10 @@ def run(args) -> int:
     def rate(tps: float) -> str:  # 0: every call of the phase compiled, so there is no clean rate to show
         return f"{tps:.1f} tok/s" if tps > 0 else "rate n/a (compiled)"
 
+    # the rates leave out the time spent bringing programs in (compiled, or loaded from the persistent cache)
     _log(args, f"prompt: {result.n_prompt} tokens, {rate(result.prompt_tps)} | "
                f"decode: {result.n_gen} tokens, {rate(result.decode_tps)} | "
-               f"compile: {result.compile_seconds:.1f} s | stop: {result.stop_reason}")
+               f"compile/load: {result.compile_seconds:.2f} s (not in the rates) | stop: {result.stop_reason}")
     if result.spec is not None:
         _log(args, result.spec["summary"])
         if "sources_summary" in result.spec:

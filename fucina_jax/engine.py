@@ -1,27 +1,38 @@
-"""The jit boundary: the few compiled step functions every loop in fucina_jax calls.
+"""The jit boundary: every compiled step the decoder and the model's methods call.
 
-Where does compilation happen? Here, and only here: one compiled program per (step, bucket shape, config), kept
-across processes by `aot.jit` (a warm start loads it: no trace, no compile).
-Every traced shape comes from the declared buckets below; per-call values (cache length, number of valid rows) are
-arrays, never static arguments, so a new prompt length or a longer history never recompiles.
+Where does compilation happen? Here: one compiled program per (step, bucket shape, static values), kept across
+processes by `aot.jit` (a warm start loads it: no trace, no compile), and counted by `aot.events()`, the one
+counter the timers read. Every traced shape comes from the declared buckets below; per-call values (where each
+row starts, how many rows are valid, the draft tokens, the sampler's values) are arrays, never static arguments,
+so a new prompt length, a longer history or another temperature never recompiles.
 
-  prefill_step  [B, T in PREFILL_BUCKETS]   -> logits of each row's last valid token [B, V]
-  decode_step   [B, 1]                       -> logits [B, V]
-  verify_step   [B, k in VERIFY_BUCKETS]     -> logits of every row [B, k, V]
+The pure forwards (the model alone, for users who embed it in their own JAX code):
 
-Each step writes its rows into the cache and returns it with `length` advanced by the rows the caller declared
-valid (prefill) or by all rows (decode/verify); the speculative decoder truncates to what it commits. The cache
-argument is donated: the caller must use the returned cache.
+  prefill_step   tokens [B, T in PREFILL_BUCKETS]  -> logits of each row's last valid token [B, V]
+  decode_step    tokens [B]                        -> logits [B, V]
+  verify_step    tokens [B, k in VERIFY_BUCKETS]   -> logits of every row [B, k, V]
+
+Each writes its rows into the cache and returns it with `length` advanced by the rows the caller declared valid
+(prefill) or by all rows (decode/verify). The cache argument is donated: the caller must use the returned cache.
+
+The decoder's fused steps (forward + sampler in one program, decoder.py drives them):
+
+  sample_step         prefill logits [B, V]         -> each row's first token
+  decode_sample_step  tokens [B, k in STEP_WIDTHS]  -> every row's sample; k = 1 is the plain decode step
+
+`prefill` (host) feeds a prompt per row through prefill_step in bucketed chunks; `prepare_prefill` brings its
+programs in beforehand, so that a timer can tell loading from running.
 """
 
 from __future__ import annotations
 
-import collections
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from fucina_jax import aot
+from fucina_jax import aot, sampling
 from fucina_jax.models import forward_hidden, truncate, unembed
 from fucina_jax.models.cache import KVCache
 from fucina_jax.models.config import ModelConfig
@@ -29,11 +40,18 @@ from fucina_jax.models.config import ModelConfig
 __all__ = [
     "PREFILL_BUCKETS",
     "VERIFY_BUCKETS",
-    "TRACE_COUNTS",
+    "STEP_WIDTHS",
+    "TOPK_FEEDBACK",
     "bucket_for",
+    "prefill",
+    "prepare_prefill",
     "prefill_step",
     "decode_step",
     "verify_step",
+    "sample_step",
+    "decode_sample_step",
+    "feedback_topk",
+    "push_rows",
 ]
 
 # Prompt chunks: a prompt is prefilled in chunks of the largest bucket; the last chunk is padded to the smallest
@@ -41,9 +59,10 @@ __all__ = [
 PREFILL_BUCKETS = (16, 64, 256)
 # Verify widths (carried token + draft), padded up to the next bucket.
 VERIFY_BUCKETS = (2, 4, 8, 16)
-
-# Incremented at trace time only: tests assert nothing recompiles inside a bucket.
-TRACE_COUNTS: collections.Counter = collections.Counter()
+# The decoder's step widths: 1 is the plain decode step, the rest are the verify buckets.
+STEP_WIDTHS = (1, *VERIFY_BUCKETS)
+# Candidates per verified row handed to DraftSource.observe_topk (the recycling matrix keeps 8 per token).
+TOPK_FEEDBACK = 8
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -58,11 +77,14 @@ def _positions(cache: KVCache, T: int) -> jax.Array:
     return cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
 
+# ---- the pure forwards --------------------------------------------------------------------------------------------
+
+
 @aot.jit(static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill_step(params, tokens: jax.Array, n_valid: jax.Array, cache: KVCache, cfg: ModelConfig):
-    """Prefill one padded chunk; tokens [B, T], n_valid [B] (>= 1). Only the last valid row is unembedded:
-    computing [T, V] logits for a whole chunk would cost more than the chunk's transformer layers."""
-    TRACE_COUNTS["prefill", tokens.shape] += 1
+    """Prefill one padded chunk; tokens [B, T], n_valid [B] (a row with 0 rides along: its rows land past its
+    length, stale). Only the last valid row is unembedded: computing [T, V] logits for a whole chunk would cost
+    more than the chunk's transformer layers."""
     B, T = tokens.shape
     start = cache.length
     h, cache = forward_hidden(params, tokens, _positions(cache, T), cache, cfg)
@@ -73,7 +95,6 @@ def prefill_step(params, tokens: jax.Array, n_valid: jax.Array, cache: KVCache, 
 @aot.jit(static_argnames=("cfg",), donate_argnames=("cache",))
 def decode_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     """One token per row; tokens [B]."""
-    TRACE_COUNTS["decode", tokens.shape] += 1
     h, cache = forward_hidden(params, tokens[:, None], _positions(cache, 1), cache, cfg)
     return unembed(params, h[:, 0], cfg), cache
 
@@ -82,22 +103,145 @@ def decode_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
 def verify_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     """Logits of every row of tokens [B, k]; the cache comes back advanced by k (truncate to what you commit:
     rows past the committed length are stale and never visible after truncation)."""
-    TRACE_COUNTS["verify", tokens.shape] += 1
     h, cache = forward_hidden(params, tokens, _positions(cache, tokens.shape[1]), cache, cfg)
     return unembed(params, h, cfg), cache
 
 
-@aot.jit(static_argnames=("cfg", "cap"), donate_argnames=("cache",))
-def decode_sample_step(params, tokens: jax.Array, cache: KVCache, history, sparams, cfg: ModelConfig, cap: int):
-    """decode_step fused with the sampler: append tokens [1] and pick the next token.
+def _chunks(prompts: Sequence[np.ndarray | None]):
+    """The prefill chunks of one prompt per row: (start, tokens [B, T], n_valid [B]) per chunk of the largest
+    bucket, the last padded to the smallest bucket that holds it; a row with no ids left rides along (n_valid 0)."""
+    B = len(prompts)
+    lens = np.array([0 if p is None else len(p) for p in prompts], np.int32)
+    biggest = PREFILL_BUCKETS[-1]
+    for s in range(0, int(lens.max()), biggest):
+        n_valid = np.clip(lens - s, 0, biggest).astype(np.int32)
+        toks = np.zeros((B, bucket_for(int(n_valid.max()), PREFILL_BUCKETS)), np.int32)
+        for b, p in enumerate(prompts):
+            toks[b, : n_valid[b]] = p[s : s + n_valid[b]]
+        yield s, toks, n_valid
 
-    The picked token's absolute stream position is the cache length after the append: the counter its random
-    draw is keyed on (sampling.position_uniform). Returns (token int32 [1], cache, history with the token pushed).
+
+def prefill(params, cfg: ModelConfig, prompts: Sequence[np.ndarray | None], cache: KVCache):
+    """Append prompts[b] (int32 ids) to row b of the cache, every row in each chunk's one forward; a row whose
+    prompt is None or empty only rides along (its length is kept). Returns (logits [B, V] after each prompted
+    row's last id, cache)."""
+    lens = np.array([0 if p is None else len(p) for p in prompts], np.int32)
+    prompted = lens > 0
+    final = None
+    for s, toks, n_valid in _chunks(prompts):
+        logits, cache = prefill_step(params, toks, n_valid, cache, cfg)
+        # rows whose prompt ended in an earlier chunk keep the logits of that chunk (an eager op only then)
+        alive = lens > s
+        final = logits if final is None or np.array_equal(alive, prompted) else \
+            jnp.where(jnp.asarray(alive)[:, None], logits, final)
+    return final, cache
+
+
+def prepare_prefill(params, cfg: ModelConfig, prompts: Sequence[np.ndarray | None], cache: KVCache) -> None:
+    """Bring in (load or compile) the programs prefill(params, cfg, prompts, cache) will run, without running them
+    (aot.Step.prepare): a timer can then tell the prefill's own rate from its programs' loading."""
+    shapes = {}
+    for _, toks, n_valid in _chunks(prompts):
+        shapes.setdefault(toks.shape, (toks, n_valid))
+    for toks, n_valid in shapes.values():
+        prefill_step.prepare(params, toks, n_valid, cache, cfg)
+
+
+# ---- the decoder's fused steps ------------------------------------------------------------------------------------
+
+
+def _sample(logits, positions, history: sampling.History, drafts, sparams: sampling.SamplerParams, cap: int):
+    """sampling.sample_rows for each row b: logits [B, R, V], positions [B, R], history and sparams with a leading
+    batch axis, drafts [B, R] or None; int32 [B, R]. One row is sampled as it is alone (no batch axis in the
+    program); several go through lax.map, not vmap: vmap would turn the sampler's lax.conds (greedy vs sort, top-`cap`
+    vs full sort) into selects that always pay for the full vocab sort, and per row the program is then the very
+    one a single row runs."""
+    if logits.shape[0] == 1:
+        one = jax.tree_util.tree_map(lambda x: x[0], (logits, positions, history, drafts, sparams))
+        return sampling.sample_rows(*one, cap=cap)[None]
+
+    def row(x):
+        l, p, hist, d, sp = x
+        return sampling.sample_rows(l, p, sampling.History(*hist), d, sampling.SamplerParams(*sp), cap=cap)
+
+    if drafts is None:
+        return jax.lax.map(lambda x: row((*x[:3], None, x[3])), (logits, positions, tuple(history), tuple(sparams)))
+    return jax.lax.map(row, (logits, positions, tuple(history), drafts, tuple(sparams)))
+
+
+def push_rows(history: sampling.History, new: jax.Array, n_new: jax.Array) -> sampling.History:
+    """Each row's window gets its own count of new tokens: new [B, N], n_new [B] (a plain function: traced inside
+    decode_sample_step, or run eagerly to inspect a decoder's state)."""
+    if new.shape[0] == 1:
+        one = sampling.push_history(sampling.History(history.tokens[0], history.count[0]), new[0], n_new[0])
+        return sampling.History(one.tokens[None], one.count[None])
+    return jax.vmap(sampling.push_history)(history, new, n_new)
+
+
+def _padded(sampled: jax.Array) -> jax.Array:
+    """Samples [B, k] as [B, STEP_WIDTHS[-1]] (-1 past k): the shape the next step pushes from, whatever k was."""
+    return jnp.pad(sampled, ((0, 0), (0, STEP_WIDTHS[-1] - sampled.shape[1])), constant_values=-1)
+
+
+@aot.jit(static_argnames=("cap",))
+def sample_step(logits: jax.Array, positions: jax.Array, history: sampling.History, sparams: sampling.SamplerParams,
+                cap: int) -> jax.Array:
+    """Each row's first token from its prefill logits [B, V], drawn at stream positions [B] with the committed
+    history (its prompt); int32 [B, STEP_WIDTHS[-1]], the token in column 0 (the shape decode_sample_step pushes)."""
+    return _padded(_sample(logits[:, None], positions[:, None], history, None, sparams, cap))
+
+
+@aot.jit(static_argnames=("cfg", "cap", "wants_topk", "with_logits"), donate_argnames=("cache",))
+def decode_sample_step(
+    params,
+    tokens: jax.Array,
+    drafts: jax.Array,
+    start: jax.Array,
+    cache: KVCache,
+    history: sampling.History,
+    pushed: jax.Array,
+    n_pushed: jax.Array,
+    sparams: sampling.SamplerParams,
+    cfg: ModelConfig,
+    cap: int,
+    wants_topk: bool = False,
+    with_logits: bool = False,
+):
+    """The decoder's step: every row's committed history is brought up to date, then its tokens are forwarded and
+    every one of its rows is sampled.
+
+    tokens int32 [B, k]: row b = [its carried token (the newest committed one), its draft..., padding]; k = 1 is
+    a plain step. drafts int32 [B, k]: drafts[b, i] is the token row (b, i) is checked against, -1 past the draft.
+    start int32 [B]: row b's committed length - 1, where its carried token goes: the cache is rewound to it first,
+    so whatever a previous step wrote past it (rejected drafts) is stale and never visible. pushed int32 [B, N]
+    and n_pushed [B]: the previous step's samples and how many of each row's were committed; they enter the
+    history here, fused, instead of in a call of their own. history: tokens [B, W], count [B]; sparams: [B]
+    leaves (each row's own values and seed).
+
+    Row (b, i) holds the logits after the carried token and draft[:i], so it predicts stream position
+    start[b] + 1 + i: it is sampled through the full pipeline at exactly that position (the RNG is keyed on it)
+    and penalised with the history plus drafts[:i], the hypothetical prefix its logits are conditioned on (design
+    record section 2). A row past the first mismatch was drawn from the counter-based RNG, so discarding it
+    consumes nothing a plain run would see.
+
+    Returns (sampled int32 [B, STEP_WIDTHS[-1]] (-1 past k), the history after the push, logits [B, k, V] or
+    None, top-K ids int32 [B, k, TOPK_FEEDBACK] or None, cache advanced to start + k). `wants_topk` and
+    `with_logits` are static, so neither output is traced unless asked for (the logits are for the decoder's
+    row hook, a test/debug instrument).
     """
-    from fucina_jax import sampling
+    history = push_rows(history, pushed, n_pushed)
+    cache = truncate(cache, start)
+    B, k = tokens.shape
+    in_pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    h, cache = forward_hidden(params, tokens, in_pos, cache, cfg)
+    # one row: unembedded as [k, D], the shape a lone decode/verify row has always had (row-exact either way)
+    logits = unembed(params, h[0], cfg)[None] if B == 1 else unembed(params, h, cfg)
+    sampled = _sample(logits, in_pos + 1, history, drafts if k > 1 else None, sparams, cap)
+    topk = feedback_topk(logits) if wants_topk else None
+    return _padded(sampled), history, (logits if with_logits else None), topk, cache
 
-    TRACE_COUNTS["decode_sample", tokens.shape, cap] += 1
-    h, cache = forward_hidden(params, tokens[:, None], _positions(cache, 1), cache, cfg)
-    logits = unembed(params, h[:, 0], cfg)
-    tok = sampling.sample_rows(logits, cache.length, history, None, sparams, cap=cap)
-    return tok, cache, sampling.push_history(history, tok, jnp.int32(1))
+
+def feedback_topk(logits: jax.Array) -> jax.Array:
+    """The recycling candidates of each verified row, int32 [..., TOPK_FEEDBACK]: taken from the raw rows (before
+    penalties), as the design record specifies."""
+    return sampling.top_k(logits, min(TOPK_FEEDBACK, logits.shape[-1]))[1].astype(jnp.int32)

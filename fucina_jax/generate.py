@@ -1,39 +1,46 @@
-"""Plain decoding (the host loop): prefill the prompt, then one fused decode+sample step per token.
+"""The one-shot drivers: `generate` (plain), `generate_speculative` and `generate_batched`, thin loops over the one
+decoder (fucina_jax.decoder), with their results built in one place.
 
-This loop is the reference the speculative decoder is proven against: it commits one token per forward and draws
-the token at stream position p from uniform(seed, p) through the full sampler pipeline.
+Plain decoding is the decoder with speculation off: it commits one token per forward and draws the token at
+stream position p from uniform(seed, p) through the full sampler pipeline, the reference the speculative runs are
+proven against. A speculative run commits exactly the same tokens, fewer forwards apart.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
-from fucina_jax import aot, engine, sampling
-from fucina_jax.checks import is_int
-from fucina_jax.errors import ContextFullError
-from fucina_jax.model import Model
+from fucina_jax import aot
+from fucina_jax.decoder import Decoder, Request, check_request
+from fucina_jax.index.protocol import DraftSource
 from fucina_jax.models import fitted_capacity
 from fucina_jax.sampling import SamplerConfig
+from fucina_jax.speculative.gate import SpecOptions
+from fucina_jax.speculative.sources import default_source
 
-__all__ = ["GenerationResult", "Generation", "generate", "check_request", "Timer"]
+__all__ = ["GenerationResult", "Generation", "generate", "generate_speculative", "generate_batched", "Timer"]
+
+_PLAIN = SpecOptions(enabled=False)
 
 
 @dataclass
 class GenerationResult:
     prompt_ids: list[int]
-    tokens: list[int]  # committed generated ids (an end-of-generation token that stopped the run is not included)
+    tokens: list[int]  # committed generated ids (a stop id that ended the run is not included)
     text: str
-    stop_reason: str  # "eog" | "max_tokens" | "context"
-    prompt_seconds: float = 0.0
+    stop_reason: str  # decoder.STOP | MAX_TOKENS | CONTEXT
+    prompt_seconds: float = 0.0  # the prefill's wall time, without loading or compiling its programs
     decode_seconds: float = 0.0
-    compile_seconds: float = 0.0  # wall time of calls that traced/compiled a new shape (included in the above)
+    compile_seconds: float = 0.0  # loading or compiling the prefill's programs, plus the calls that traced or loaded
+    #                               one (the first decode steps)
     seed: int | None = None
     spec: dict | None = None  # speculation statistics, when speculation ran
+    _compile_split: dict = field(default_factory=dict, repr=False)  # phase -> its calls that compiled something
 
     @property
     def n_prompt(self) -> int:
@@ -45,18 +52,13 @@ class GenerationResult:
 
     @property
     def prompt_tps(self) -> float:
-        t = self.prompt_seconds - self._compile_in("prompt")
+        t = self.prompt_seconds - self._compile_split.get("prompt", 0.0)
         return self.n_prompt / t if t > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
-        t = self.decode_seconds - self._compile_in("decode")
+        t = self.decode_seconds - self._compile_split.get("decode", 0.0)
         return self.n_gen / t if t > 0 else 0.0
-
-    _compile_split: dict = field(default_factory=dict, repr=False)
-
-    def _compile_in(self, phase: str) -> float:
-        return self._compile_split.get(phase, 0.0)
 
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
@@ -65,48 +67,45 @@ class GenerationResult:
 
 
 class Timer:
-    """Wall time per phase, with the calls that compiled something (a trace counter moved, or aot loaded a program)
-    counted apart."""
+    """Wall time per phase; a call during which a program was traced or loaded (aot.events() moved) counts in
+    `compile` too, so rates can leave it out."""
 
-    def __init__(self, traces: Callable[[], int] | None = None):
+    def __init__(self):
         self.seconds: dict[str, float] = {}
         self.compile: dict[str, float] = {}
-        # how many traces happened so far (a change during a call means it compiled something)
-        self.traces = traces or (lambda: sum(engine.TRACE_COUNTS.values()) + sum(sampling.TRACE_COUNTS.values())
-                                  + sum(aot.LOADED.values()))
 
     def run(self, phase: str, fn: Callable, *args, **kw):
         """fn(*args, **kw), waited for (JAX dispatches asynchronously: an unblocked phase would bill its compute to
         whichever phase next reads a result)."""
-        before = self.traces()
+        before = aot.events()
         t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        out = _block(out)
+        out = jax.block_until_ready(fn(*args, **kw))
         dt = time.perf_counter() - t0
         self.seconds[phase] = self.seconds.get(phase, 0.0) + dt
-        if self.traces() != before:
+        if aot.events() != before:
             self.compile[phase] = self.compile.get(phase, 0.0) + dt
         return out
 
 
-def _block(out):
-    import jax
-
-    return jax.block_until_ready(out)
-
-
 class Generation:
-    """An iterator over committed token ids; `.result` holds the GenerationResult once it is exhausted."""
+    """An iterator over committed token ids; `.result` holds the GenerationResult once it is exhausted, and
+    `.decoder` the decoder that produced them."""
 
-    def __init__(self, it: Iterator[int]):
-        self._it = it
+    def __init__(self, steps: Iterator[int], decoder: Decoder):
+        self._steps = steps  # a generator that returns the GenerationResult
+        self.decoder = decoder
         self.result: GenerationResult | None = None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> int:
-        return next(self._it)
+        try:
+            return next(self._steps)
+        except StopIteration as done:
+            if done.value is not None:
+                self.result = done.value
+            raise
 
     def run(self) -> GenerationResult:
         """Consume the rest and return the result."""
@@ -115,35 +114,77 @@ class Generation:
         return self.result
 
 
-def check_request(model, prompt_ids, max_tokens: int, sampler, ctx, stop_ids):
-    """Validate one generation request (shared by plain and speculative decoding, so both refuse the same input
-    with the same errors). Returns (prompt ids, validated SamplerConfig, ctx, stop ids)."""
-    if not isinstance(model, Model):
-        raise TypeError(f"model must be a fucina_jax Model (fucina_jax.load(path)), got {type(model).__name__}")
-    prompt = model.check_ids(prompt_ids).tolist()
-    if not is_int(max_tokens):
-        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__} {max_tokens!r}")
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens = {max_tokens} is invalid: it must be >= 0")
-    if not prompt:
-        raise ValueError("the prompt is empty: at least one token (e.g. BOS) is needed to start generating")
-    cfg = sampling.validated_config(sampler)
-    ctx = model.check_ctx(ctx)
-    if len(prompt) >= ctx:
-        raise ContextFullError(
-            f"the prompt has {len(prompt)} tokens but the context holds {ctx}: use a larger --ctx (max "
-            f"{model.config.context_length}) or a shorter prompt"
-        )
-    if stop_ids is None:
-        return prompt, cfg, ctx, frozenset(model.tokenizer.eog_ids)
-    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
-        raise TypeError(f"stop_ids must be a collection of token ids (ints), got {type(stop_ids).__name__}")
-    stop_ids = list(stop_ids)
-    V = model.config.n_vocab
-    bad = [t for t in stop_ids if not is_int(t) or not 0 <= t < V]
-    if bad:
-        raise ValueError(f"stop_ids {bad} are not token ids of this model (0..{V - 1})")
-    return prompt, cfg, ctx, frozenset(int(t) for t in stop_ids)
+def _drive(decoder: Decoder, requests: Sequence[Request], speculative: bool = True):
+    """The loop every one-shot driver runs: start every request, step until each row is done, yield (row, ids) as
+    they are committed, and return one GenerationResult per request (with the speculation statistics when
+    `speculative`). A row's decode time is the wall time of the steps it took part in (in a batch it shares
+    them)."""
+    B = len(requests)
+    timer = Timer()
+    decode_s = np.zeros(B)
+    compile_s = np.zeros(B)
+    todo = [r.max_tokens > 0 for r in requests]
+    if any(todo):
+        starting = [r if t else None for r, t in zip(requests, todo)]
+        timer.run("load", decoder.prepare, starting)  # the prefill's programs: the prompt's rate leaves them out
+        logits = timer.run("prompt", decoder.begin, starting)
+        step = decoder.first
+        args = (logits,)
+        while decoder.active:
+            taking_part = np.array([r is not None and r.active for r in decoder.rows])
+            before = aot.events()
+            t0 = time.perf_counter()
+            outcomes = step(*args)  # each step ends in reading its samples on the host: the work is done
+            dt = time.perf_counter() - t0
+            decode_s[taking_part] += dt
+            if aot.events() != before:
+                compile_s[taking_part] += dt
+            for b, o in enumerate(outcomes):
+                if o is not None and o.committed:
+                    yield b, o.committed
+            step, args = decoder.step, ()
+    tokenizer = decoder.model.tokenizer
+    results = []
+    for b, req in enumerate(requests):
+        row = decoder.rows[b]
+        tokens = row.generated if row is not None else []
+        results.append(GenerationResult(
+            prompt_ids=list(req.prompt), tokens=tokens, text=tokenizer.decode(tokens),
+            stop_reason=row.finish if row is not None else "max_tokens",
+            prompt_seconds=timer.seconds.get("prompt", 0.0), decode_seconds=float(decode_s[b]),
+            compile_seconds=timer.seconds.get("load", 0.0) + timer.compile.get("prompt", 0.0) + float(compile_s[b]),
+            seed=req.sampler.seed,
+            spec=decoder.spec_stats(b) if row is not None and speculative else None,
+            _compile_split={"prompt": timer.compile.get("prompt", 0.0), "decode": float(compile_s[b])},
+        ))
+    return results
+
+
+def _one(steps):
+    """_drive for one row: yield its ids one by one, return its result."""
+    while True:
+        try:
+            _, ids = next(steps)
+        except StopIteration as done:
+            return done.value[0]
+        yield from ids
+
+
+def _clock(clock) -> Callable[[], int] | None:
+    return time.perf_counter_ns if clock is True else (clock or None)
+
+
+def check_spec_args(options, sources, clock) -> None:
+    """TypeErrors for the speculative drivers' options, draft sources and clock."""
+    if options is not None and not isinstance(options, SpecOptions):
+        raise TypeError(f"options must be a fucina_jax.speculative.SpecOptions (or None), got "
+                        f"{type(options).__name__}: e.g. SpecOptions(max_draft=8)")
+    for source in sources:
+        if source is not None and not all(callable(getattr(source, f, None)) for f in ("suggest", "observe")):
+            raise TypeError(f"source must be a draft source (fucina_jax.index.DraftSource, e.g. a "
+                            f"SpeculationIndex), got {type(source).__name__}")
+    if not isinstance(clock, bool) and clock is not None and not callable(clock):
+        raise TypeError(f"clock must be True, False or a function returning nanoseconds, got {type(clock).__name__}")
 
 
 def generate(
@@ -156,51 +197,94 @@ def generate(
     stop_ids: Iterable[int] | None = None,
 ) -> Generation:
     """Plain decoding of up to max_tokens tokens after prompt_ids (which must include any BOS)."""
-    prompt, cfg, ctx, stops = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
-    gen = Generation(iter(()))
-    gen._it = _plain_loop(model, prompt, max_tokens, cfg, ctx, stops, gen)
-    return gen
+    req, ctx = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
+    dec = Decoder(model, ctx=ctx, capacity=fitted_capacity(len(req.prompt) + max_tokens, ctx), options=_PLAIN)
+    return Generation(_one(_drive(dec, [req], speculative=False)), dec)
 
 
-def _plain_loop(model, prompt, max_tokens, cfg: SamplerConfig, ctx, stops, gen: Generation):
-    timer = Timer()
-    cap = cfg.candidate_cap(model.config.n_vocab)
-    history = sampling.history_from_tokens(prompt, cfg.history_capacity(ctx))
-    sparams = cfg.params()
-    cache = model.new_cache(fitted_capacity(len(prompt) + max_tokens, ctx))
-    tokens: list[int] = []
-    stop = "max_tokens"
-    if max_tokens > 0:
-        logits, cache = timer.run("prompt", model.prefill_rows, prompt, cache)
-        tok = timer.run(
-            "decode", sampling.sample_rows, logits, np.asarray([len(prompt)], np.int32), history, None,
-            sparams, cap=cap,
-        )
-        history = sampling.push_history(history, tok, np.int32(1))
-        while True:
-            t = int(np.asarray(tok)[0])
-            if t in stops:
-                stop = "eog"
-                break
-            tokens.append(t)
-            yield t
-            if len(tokens) >= max_tokens:
-                break
-            if len(prompt) + len(tokens) >= ctx:
-                stop = "context"
-                break
-            tok, cache, history = timer.run(
-                "decode", engine.decode_sample_step, model.params, tok, cache, history, sparams, model.config, cap
-            )
-    result = GenerationResult(
-        prompt_ids=prompt,
-        tokens=tokens,
-        text=model.tokenizer.decode(tokens),
-        stop_reason=stop,
-        prompt_seconds=timer.seconds.get("prompt", 0.0),
-        decode_seconds=timer.seconds.get("decode", 0.0),
-        compile_seconds=sum(timer.compile.values()),
-        seed=cfg.seed,
-    )
-    result._compile_split = dict(timer.compile)
-    gen.result = result
+def generate_speculative(
+    model,
+    prompt_ids: Iterable[int],
+    *,
+    max_tokens: int = 128,
+    sampler: SamplerConfig | None = None,
+    ctx: int | None = None,
+    stop_ids: Iterable[int] | None = None,
+    source: DraftSource | None = None,
+    references: Sequence[str | Sequence[int]] = (),
+    options: SpecOptions | None = None,
+    clock: bool | Callable[[], int] = True,
+) -> Generation:
+    """generate with speculative decoding: the same tokens, stop rules and result, plus `result.spec` statistics.
+
+    source: any DraftSource; None builds a fresh SpeculationIndex (conversation SAM + references + recycling).
+    references: documents for the index, token ids or text (encoded with the model's tokenizer, no BOS). clock:
+    True uses time.perf_counter_ns for the gate's live cost model, False prices verifies from the static table.
+    """
+    req, ctx = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
+    check_spec_args(options, [source], clock)
+    req = replace(req, source=default_source(model, source, references))
+    dec = Decoder(model, ctx=ctx, capacity=fitted_capacity(len(req.prompt) + max_tokens, ctx),
+                  options=options or SpecOptions(), clock=_clock(clock))
+    return Generation(_one(_drive(dec, [req])), dec)
+
+
+def _per_row(value, B: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != B:
+            raise ValueError(f"{name}: {len(value)} values for {B} prompts; give one per prompt or a single value")
+        return list(value)
+    return [value] * B
+
+
+def generate_batched(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int | Sequence[int] = 128,
+    sampler: SamplerConfig | Sequence[SamplerConfig] | None = None,
+    ctx: int | None = None,
+    stop_ids: Iterable[int] | Sequence[Iterable[int]] | None = None,
+    sources: Sequence[DraftSource | None] | None = None,
+    options: SpecOptions | None = None,
+    clock: bool | Callable[[], int] = True,
+) -> list[GenerationResult]:
+    """Decode every prompt (token ids, BOS included) as its own conversation, all in one batch; returns one
+    GenerationResult per prompt, each with the tokens `generate` gives for that prompt alone.
+
+    max_tokens, sampler, stop_ids: one value for all rows or a list with one per row (stop_ids None: the model's
+    end-of-generation ids; a list of ints is one stop set for all rows). sources: one DraftSource (or None: no
+    drafts) per row; sources=None gives each row a fresh SpeculationIndex. options.enabled=False decodes plainly
+    (one token per row per step). clock: True prices the batch gate's verifies with time.perf_counter_ns, False
+    with the static cost table only. Timing: prompt_seconds is the shared prefill; decode_seconds is the wall time
+    of the steps the row was active in (the row shares them with the batch).
+    """
+    if isinstance(prompts, np.ndarray):
+        prompts = list(prompts)  # a [B, T] array: its rows
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
+            len(prompts) and all(isinstance(p, (int, np.integer)) for p in prompts)):
+        raise TypeError("prompts must be a list of prompts, each a list of token ids (one prompt: [ids])")
+    B = len(prompts)
+    if B < 1:
+        raise ValueError("no prompts: give at least one")
+    check_spec_args(options, sources or [], clock)
+    maxes = _per_row(max_tokens, B, "max_tokens")
+    if stop_ids is None or (isinstance(stop_ids, (list, tuple, set, frozenset)) and
+                            all(isinstance(t, (int, np.integer)) for t in stop_ids)):
+        stop_ids = [stop_ids] * B
+    stop_ids = _per_row(list(stop_ids), B, "stop_ids")
+    samplers = _per_row(sampler, B, "sampler")
+    checked = [check_request(model, p, m, s, ctx, st) for p, m, s, st in zip(prompts, maxes, samplers, stop_ids)]
+    ctx = checked[0][1]
+    if sources is None:
+        sources = [default_source(model) for _ in range(B)]
+    elif len(sources) != B:
+        raise ValueError(f"batch = {B} rows but {len(sources)} sources: give one per row")
+    requests = [replace(req, source=src) for (req, _), src in zip(checked, sources)]
+    dec = Decoder(model, B, ctx=ctx, options=options or SpecOptions(), clock=_clock(clock))
+    steps = _drive(dec, requests)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

@@ -1,4 +1,5 @@
-"""`load()` and the `Model` object: config + params + tokenizer of one GGUF file, and the host-side loops."""
+"""`load()` and the `Model` object: config + params + tokenizer of one GGUF file, the forward's host side
+(prefill, full-sequence logits), and `generate` as a convenience over the drivers (fucina_jax.generate)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import numpy as np
 from fucina_jax import engine
 from fucina_jax.checks import is_int
 from fucina_jax.errors import ContextFullError, FucinaError
+from fucina_jax.generate import generate, generate_speculative
 from fucina_jax.gguf_io import GGUFFile, open_gguf
 from fucina_jax.models import architecture, init_cache, truncate
 from fucina_jax.models.cache import CACHE_DTYPES, KVCache
 from fucina_jax.models.config import ModelConfig
 from fucina_jax.models.loading import load_params
+from fucina_jax.sampling import SamplerConfig
 
 __all__ = ["Model", "load", "default_model_path", "enable_compilation_cache"]
 
@@ -165,23 +168,17 @@ class Model:
 
         Returns a `Generation`: iterate it for committed token ids, then read `.result` (a GenerationResult).
         Sampling values go in `sampler` (a SamplerConfig) or as keywords (temperature=0, top_k=20, seed=1, ...).
-        `spec=True` decodes speculatively (same stream, see fucina_jax.speculative); `references` are documents (text or
+        `spec=True` decodes speculatively (the same stream: fucina_jax.generate.generate_speculative); `references` are documents (text or
         token ids) the reference source may copy from.
         """
-        from fucina_jax.sampling import SamplerConfig
-
         if sampler is None:
             sampler = SamplerConfig(**sampler_kw)
         elif sampler_kw:
             raise TypeError("pass sampling values either as sampler= or as keywords, not both")
         ids = self.tokenizer.encode(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) else prompt
         if spec or source is not None or references:
-            from fucina_jax.speculative import generate_speculative
-
             return generate_speculative(self, ids, max_tokens=max_tokens, sampler=sampler, ctx=ctx, stop_ids=stop_ids,
                                         source=source, references=references, options=spec_options)
-        from fucina_jax.generate import generate
-
         return generate(self, ids, max_tokens=max_tokens, sampler=sampler, ctx=ctx, stop_ids=stop_ids)
 
     def check_ids(self, ids) -> np.ndarray:
@@ -205,7 +202,7 @@ class Model:
             a = a[0]
         if a.ndim != 1:
             raise ValueError(f"token ids must be one prompt (a flat sequence, or [1, T]), got an array of shape "
-                             f"{a.shape}: run several prompts with fucina_jax.speculative.generate_batched")
+                             f"{a.shape}: run several prompts with fucina_jax.generate.generate_batched")
         if a.size == 0:
             return a.astype(np.int32)
         if a.dtype == object:  # Python ints past int64, or mixed types
@@ -238,17 +235,9 @@ class Model:
                 f"{ids.size} tokens after {start} cached ones exceed the context of {cache.capacity} tokens; "
                 "use a larger --ctx or a shorter prompt"
             )
-        biggest = engine.PREFILL_BUCKETS[-1]
-        logits = None
-        for s in range(0, ids.size, biggest):
-            chunk = ids[s : s + biggest]
-            T = engine.bucket_for(chunk.size, engine.PREFILL_BUCKETS)
-            padded = np.zeros((1, T), np.int32)
-            padded[0, : chunk.size] = chunk
-            logits, cache = engine.prefill_step(
-                self.params, padded, np.asarray([chunk.size], np.int32), cache, self.config
-            )
-        return logits, cache
+        if cache.batch != 1:
+            raise ValueError(f"prefill fills one row; this cache has {cache.batch} (engine.prefill fills several)")
+        return engine.prefill(self.params, self.config, [ids], cache)
 
 
 def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: bool = False,

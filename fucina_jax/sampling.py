@@ -39,7 +39,6 @@ Everything a call varies (temperature, top-p, seed, history contents, positions)
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import secrets
@@ -72,14 +71,6 @@ __all__ = [
     "token_probs",
     "top_k",
 ]
-
-
-def __getattr__(name):
-    """`TRACE_COUNTS`, transitional: this module's steps' entries of aot.TRACED (which counts every step's traces
-    itself; read aot.TRACED / aot.events()), for the callers that still add it to their own sum."""
-    if name == "TRACE_COUNTS":
-        return collections.Counter({k: v for k, v in aot.TRACED.items() if k.startswith(__name__ + ".")})
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # sample_rows works on all rows at once up to this many bytes of logits (8 rows of a 262k vocab), one row at a time

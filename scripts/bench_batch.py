@@ -2,7 +2,7 @@
 """Throughput vs batch size: B conversations decoded together, plain and speculative, side by side.
 
 For each B in --batch, B different prompts (repetitive or grounded text, so the cascade has drafts) are decoded as one
-batch with fucina_jax.speculative.generate_batched: once plainly (one token per row per step) and once speculatively (each
+batch with fucina_jax.generate.generate_batched: once plainly (one token per row per step) and once speculatively (each
 row drafts from its own SpeculationIndex). Greedy, no stop ids: every row generates exactly --gen tokens. Each
 configuration runs once untimed first (it compiles that B's step shapes), then --reps timed runs (median).
 
@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     import fucina_jax
     from fucina_jax.model import default_model_path
     from fucina_jax.sampling import SamplerConfig
-    from fucina_jax.speculative import SpecOptions, generate_batched
+    from fucina_jax.generate import generate_batched
+    from fucina_jax.speculative import SpecOptions
 
     path = args.model or default_model_path()
     t0 = time.perf_counter()

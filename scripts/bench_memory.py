@@ -34,7 +34,7 @@ print("STAGE floor %.1f %.1f" % rss(), flush=True)
 import fucina_jax
 from fucina_jax.generate import generate
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.speculative import generate_speculative
+from fucina_jax.generate import generate_speculative
 m = fucina_jax.load(path or None)
 print("STAGE load %.1f %.1f" % rss(), flush=True)
 ids = m.tokenizer.encode("The history of the printing press begins with")

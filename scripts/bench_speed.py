@@ -9,7 +9,9 @@ Prints, in this order:
   3. plain greedy decode tok/s of fucina_jax and llama.cpp, runs interleaved (fucina, llama.cpp, ...) so machine
      drift hits both, the ratio of the medians, and whether the greedy streams agree;
   4. the verify cost table C(k) = (one forward over k rows with full logits) / (one plain decode step) of both:
-     fucina_jax's decoder steps (speculative/bench.py's probe) and llama.cpp with logits_all=True.
+     fucina_jax's decoder steps (speculative/bench.py's probe) and llama.cpp with logits_all=True;
+  5. the decoder's own cost: one Decoder.step() with speculation off (all its host bookkeeping included) against
+     the bare compiled plain step it calls, at the same stream position, calls interleaved (goal: within 1%).
 
   python scripts/bench_speed.py [MODEL.gguf] [--gen 64] [--reps 3] [--ctx 1024] [--threads 2] [--f32]
 """
@@ -89,6 +91,45 @@ def llama_cost_table(llm, ids, widths, reps: int) -> dict[int, float]:
             best[w].append(timed(rows[w]))
     p = min(plain)
     return {w: min(best[w]) / p for w in widths}
+
+
+def decoder_overhead(model, ids, ctx: int, reps: int) -> tuple[float, float]:
+    """(median ms of Decoder.step() with speculation off, median ms of the bare engine.decode_sample_step it runs),
+    interleaved call by call at the same stream position: the bare call rewinds to the position the decoder's next
+    step starts at and writes the same row, so the decoder's state is unchanged by it."""
+    from fucina_jax import engine
+    from fucina_jax.decoder import Decoder, Request
+    from fucina_jax.sampling import SamplerConfig
+    from fucina_jax.speculative import SpecOptions
+
+    dec = Decoder(model, ctx=ctx, options=SpecOptions(enabled=False))
+    req = Request(tuple(ids), 2 * reps + 8, SamplerConfig(temperature=0.0, seed=0).validate(), frozenset(), None)
+    dec.first(dec.begin([req]))
+    no_push, n_push = np.full((1, engine.STEP_WIDTHS[-1]), -1, np.int32), np.zeros(1, np.int32)
+    drafts = np.full((1, 1), -1, np.int32)
+
+    def bare():
+        row = dec.rows[0]
+        toks = np.asarray([[row.stream[row.n - 1]]], np.int32)
+        start = np.asarray([row.n - 1], np.int32)
+        t = time.perf_counter()
+        sampled, _, _, _, dec.cache = engine.decode_sample_step(
+            model.params, toks, drafts, start, dec.cache, dec.history, no_push, n_push, dec._sparams, model.config,
+            dec._cap)
+        np.asarray(sampled)
+        return time.perf_counter() - t
+
+    def through_decoder():
+        t = time.perf_counter()
+        dec.step()
+        return time.perf_counter() - t
+
+    bare(), through_decoder()  # warm-up: both programs are in
+    ours, base = [], []
+    for _ in range(reps):
+        base.append(bare())
+        ours.append(through_decoder())
+    return statistics.median(ours) * 1e3, statistics.median(base) * 1e3
 
 
 def main() -> int:
@@ -182,6 +223,9 @@ def main() -> int:
     for w, _, _, measured, _ in ours_cost.rows:
         print(f"  {w:2d}   {measured:10.2f}   {theirs_cost[w]:9.2f}")
     llm.close()
+    d_ms, b_ms = decoder_overhead(model, ids, args.ctx, reps=200)
+    print(f"decoder step, speculation off: {d_ms:.3f} ms against the bare plain step {b_ms:.3f} ms = {d_ms / b_ms:.3f}x "
+          f"(median of 200 interleaved pairs; goal within 1%)")
     return 0
 
 

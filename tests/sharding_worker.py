@@ -63,7 +63,8 @@ def spec(path):
     accepted (so the test knows speculation really ran)."""
     from fucina_jax.generate import generate
     from fucina_jax.sampling import SamplerConfig
-    from fucina_jax.speculative import SpecOptions, generate_batched, generate_speculative
+    from fucina_jax.generate import generate_batched, generate_speculative
+    from fucina_jax.speculative import SpecOptions
 
     model = fucina_jax.load(path, f32=True)
     rng = np.random.default_rng(2)

@@ -184,7 +184,7 @@ def test_one_prompt_as_a_1_by_t_batch_is_that_prompt(model):
 
 
 def test_generate_batched_checks_its_arguments(model):
-    from fucina_jax.speculative import generate_batched
+    from fucina_jax.generate import generate_batched
 
     with pytest.raises(TypeError, match="list of prompts"):
         generate_batched(model, [5, 6, 7], max_tokens=2)  # one prompt, not 3 one-token prompts

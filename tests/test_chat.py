@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from fucina_jax.chat import ChatOptions, Conversation, TurnGate
+from fucina_jax.chat import ChatOptions, Conversation
+from fucina_jax.speculative import TurnBufferedSource
 from fucina_jax.chat_template import encode_chat
 from fucina_jax.errors import ChatOptionsError
 from fucina_jax.generate import generate
@@ -43,8 +44,8 @@ def chat(model, **kw) -> Conversation:
 
 
 def check_index_in_sync(conv: Conversation) -> None:
-    """The TurnGate invariant: the conversation index has observed exactly the committed conversation."""
-    np.testing.assert_array_equal(conv.gate.index.stream(), conv.tokens)
+    """The TurnBufferedSource invariant: the conversation index has observed exactly the committed conversation."""
+    np.testing.assert_array_equal(conv.source.index.stream(), conv.tokens)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +64,10 @@ def test_spec_replies_byte_identical(three_turns):
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert all(r.stop_reason == "stop" and r.tokens for r in plain)
     # not vacuous: the conversation index drafted tokens that verification accepted
-    conversation = next(s for s in conv.gate.index.stats() if s.name == "conversation")
-    assert conversation.accepted > 0 and conv.decoder.stats.accepted > 0
+    conversation = next(s for s in conv.source.index.stats() if s.name == "conversation")
+    assert conversation.accepted > 0 and conv.decoder.rows[0].stats.accepted > 0
     check_index_in_sync(conv)
-    assert conv.gate.rebuilds == 0
+    assert conv.source.rebuilds == 0
 
 
 def test_cache_carry_over_equals_reprefill(smollm2, three_turns):
@@ -77,10 +78,11 @@ def test_cache_carry_over_equals_reprefill(smollm2, three_turns):
         assert fresh_reply(smollm2, messages, conv.stop_ids) == reply.tokens
         messages.append({"role": "assistant", "content": reply.text})
     assert conv.messages == messages
-    # only the new turn was prefilled: the whole previous conversation came from the cache
+    # only the new turn was prefilled: the whole previous conversation came from the cache, but for the reply's
+    # newest token (the decoder's invariant: the cache holds the committed stream minus the carried token)
     assert replies[0].n_reused == 0
     for prev, reply in zip(replies, replies[1:]):
-        assert reply.n_reused >= prev.n_reused + prev.n_prefilled + len(prev.tokens)
+        assert reply.n_reused >= prev.n_reused + prev.n_prefilled + len(prev.tokens) - 1
     np.testing.assert_array_equal(conv.tokens[: -len(replies[-1].tokens)],
                                   encode_chat(smollm2.tokenizer, messages[:-1]))
 
@@ -95,15 +97,15 @@ def test_turn_gate_stop_id_mid_verify(smollm2):
         assert r.stop_reason == "stop" and DOT not in r.tokens and not r.text.endswith(".")
         assert r.tokens == p.tokens
         check_index_in_sync(conv)
-    assert conv.gate.rebuilds == 0
+    assert conv.source.rebuilds == 0
     np.testing.assert_array_equal(conv.tokens, plain.tokens)
 
 
 def test_turn_gate_drops_overshoot_and_its_accounting():
-    """TurnGate unit test (no model): the decoder committed a slice past the turn's end; the gate forwards only the
+    """TurnBufferedSource unit test (no model): the decoder committed a slice past the turn's end; the gate forwards only the
     kept part and cuts the index's pending draft to it, so the dropped tokens count as neither accepted nor
     rejected; a cut before what the index has seen rebuilds it (references kept)."""
-    gate = TurnGate(vocab_size=100)
+    gate = TurnBufferedSource(vocab_size=100)
     gate.add_reference(np.array([5, 6, 7, 8, 9, 10], np.int32))
     gate.sync(np.array([1, 5, 6], np.int32))
     buf = np.zeros(8, np.int32)
@@ -135,11 +137,11 @@ def test_reference_added_mid_conversation_drafts_next_turn(smollm2):
     assert conv.add_spec_reference(expected[1].text) == 0
     reply = conv.send(turns[1])
     assert reply.tokens == expected[1].tokens
-    ref = next(s for s in conv.gate.index.stats() if s.name == "ref0")
+    ref = next(s for s in conv.source.index.stats() if s.name == "ref0")
     assert ref.drafted > 0 and ref.accepted > 0
     check_index_in_sync(conv)
     conv.clear_spec_references()
-    assert conv.gate.index.n_references == 0
+    assert conv.source.index.n_references == 0
     with pytest.raises(ChatOptionsError, match="speculation"):
         plain.add_spec_reference("no index without speculation")
 
@@ -155,7 +157,7 @@ def test_divergence_and_interrupt_reprefill(smollm2):
     assert 0 < reply.n_reused < n_before  # cut at the edit, not re-prefilled from scratch
     assert reply.tokens == fresh_reply(smollm2, conv.messages[:-1], conv.stop_ids)
     check_index_in_sync(conv)
-    assert conv.gate.rebuilds == 1
+    assert conv.source.rebuilds == 1
 
     turn = conv.stream("Write a long story about a dragon who learns to cook.")
     for _ in range(3):

@@ -60,7 +60,7 @@ def test_stops_on_eog_and_on_full_context(fixture_path, load_model):
     ids = [5, 6, 7]
     free = generate(model, ids, max_tokens=10, sampler=GREEDY, stop_ids=()).run().tokens
     stopped = generate(model, ids, max_tokens=10, sampler=GREEDY, stop_ids={free[3]}).run()
-    assert stopped.tokens == free[: free.index(free[3])] and stopped.stop_reason == "eog"
+    assert stopped.tokens == free[: free.index(free[3])] and stopped.stop_reason == "stop"
     full = generate(model, ids, max_tokens=50, sampler=GREEDY, ctx=8, stop_ids=()).run()
     assert full.stop_reason == "context" and len(ids) + full.n_gen == 8
     from fucina_jax.errors import ContextFullError

@@ -292,12 +292,12 @@ def test_fitted_cache_gives_the_full_context_stream(quantized, monkeypatch, path
     """One-shot generation sizes its KV cache to prompt + max_tokens (models.fitted_capacity), not to ctx: the
     plain and the speculative streams, and every logit row the decoder sampled from, equal those of a run on a
     full-context cache, bit for bit (sliding-window fixture, rows past the window included)."""
-    import fucina_jax.generate as plain_mod
-    import fucina_jax.speculative.decoder as spec_mod
+    import fucina_jax.generate as drivers
     from fucina_jax.generate import generate
     from fucina_jax.models import fitted_capacity
     from fucina_jax.sampling import SamplerConfig
-    from fucina_jax.speculative import SpecOptions, generate_speculative
+    from fucina_jax.generate import generate_speculative
+    from fucina_jax.speculative import SpecOptions
 
     fast, ref, _ = quantized("gemma3", "Q8_0")
     model = fast if path_kind == "kernels" else ref
@@ -316,8 +316,7 @@ def test_fitted_cache_gives_the_full_context_stream(quantized, monkeypatch, path
         return plain.tokens, out.tokens, spec.decoder.cache.capacity, rows, out.spec["verify_steps"]
 
     fitted = runs()
-    for mod in (plain_mod, spec_mod):
-        monkeypatch.setattr(mod, "fitted_capacity", lambda need, ctx: ctx)
+    monkeypatch.setattr(drivers, "fitted_capacity", lambda need, ctx: ctx)
     full = runs()
     assert (fitted[2], full[2]) == (256, 2048)
     assert fitted[0] == full[0] == fitted[1] == full[1]
@@ -413,7 +412,8 @@ def test_f16_cache_keeps_rows_exact_and_tracks_f32(quantized, llama_ref):
     # and the speculative stream is the plain stream, verifying drafts against the f16 cache
     from fucina_jax.generate import generate
     from fucina_jax.sampling import SamplerConfig
-    from fucina_jax.speculative import SpecOptions, generate_speculative
+    from fucina_jax.generate import generate_speculative
+    from fucina_jax.speculative import SpecOptions
 
     prompt = IDS[:12] * 3
     for sampler in (SamplerConfig(temperature=0.0, seed=0), SamplerConfig(temperature=0.9, seed=3)):

@@ -23,9 +23,9 @@ from fucina_jax.errors import DraftSourceError
 from fucina_jax.generate import generate
 from fucina_jax.index import SpeculationIndex
 from fucina_jax.sampling import SamplerConfig
+from fucina_jax.decoder import Decoder
+from fucina_jax.generate import generate_batched
 from fucina_jax.speculative import SpecOptions
-from fucina_jax.speculative import batched as sb
-from fucina_jax.speculative.batched import BatchedSpeculativeDecoder, generate_batched
 
 CTX = 128
 OPTIONS = SpecOptions(max_draft=7, min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft runs
@@ -162,7 +162,7 @@ def test_batched_equals_each_conversation_alone(arch, B, mode):
     if B == 8:
         assert sum(stats[r]["accepted"] for r in rows if ROWS[r][2] == "cascade") > 0  # the real cascade drafts
         # mixed stop times: eog inside a verify, max_tokens of 1, 12, 25, 33, 40
-        assert {res.stop_reason for res in results} == {"eog", "max_tokens"}
+        assert {res.stop_reason for res in results} == {"stop", "max_tokens"}
         assert len({len(res.tokens) for res in results}) >= 5
         assert len({tuple(res.tokens) for res in results}) == B  # no two rows share a stream
 
@@ -173,7 +173,7 @@ def test_stop_sampled_inside_an_accepted_run(arch):
     prompts, maxes, samps, stops, sources, expected = arch.case([0], "greedy")
     (res,) = generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops,
                               sources=sources, options=OPTIONS, clock=False)
-    assert res.stop_reason == "eog" and res.tokens == expected[0].tokens
+    assert res.stop_reason == "stop" and res.tokens == expected[0].tokens
     free = arch.plain(0, "greedy").tokens
     assert free[len(res.tokens)] == stops[0][0]  # it stopped exactly where the free run samples the stop id
     s = res.spec
@@ -187,14 +187,14 @@ def test_no_recompile_inside_a_bucket(arch):
     prompts, maxes, samps, stops, sources, _ = arch.case(ROW_SETS[3], "sampled")
     generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops, sources=sources,
                      options=OPTIONS, clock=False)
-    before = dict(sb.TRACE_COUNTS), dict(aot.LOADED)
+    before = aot.events()
     rng = np.random.default_rng(9)
     other = [rng.integers(0, 200, n).tolist() for n in (13, 2, 40)]
     samps = [SamplerConfig(temperature=0.5, top_k=17, seed=s) for s in (1, 2, 3)]
     generate_batched(arch.model, other, max_tokens=[9, 30, 17], sampler=samps, ctx=CTX, stop_ids=[(), (5,), ()],
                      sources=[SpeculationIndex(arch.model.config.n_vocab) for _ in other], options=OPTIONS,
                      clock=False)
-    assert (dict(sb.TRACE_COUNTS), dict(aot.LOADED)) == before
+    assert aot.events() == before
 
 
 def test_disabled_speculation_is_batched_plain_decoding(arch):
@@ -230,7 +230,9 @@ def test_bad_input(arch):
     with pytest.raises(ValueError, match="one per prompt"):
         generate_batched(m, [[1, 2], [3]], max_tokens=[4, 5, 6], ctx=CTX)
     with pytest.raises(ValueError, match="one per row"):
-        BatchedSpeculativeDecoder(m, 2, sources=[None], ctx=CTX)
+        generate_batched(m, [[1, 2], [3]], sources=[None], ctx=CTX)
+    with pytest.raises(ValueError, match="2 requests for a decoder of 3 rows"):
+        Decoder(m, 3, ctx=CTX).begin([None, None])
     bad = ScriptedSource(lambda stream, step: [m.config.n_vocab + 3, 1])
     with pytest.raises(DraftSourceError, match="row 1 proposed token id"):
         generate_batched(m, [[1, 2], [3, 4, 5]], max_tokens=5, sampler=GREEDY, ctx=CTX, stop_ids=(),

@@ -13,17 +13,12 @@ import pytest
 from spec_helpers import ScriptedSource, all_sources, alternating, garbage, perfect
 
 from fucina_jax import aot, engine, sampling
+from fucina_jax.decoder import CONTEXT, Decoder, Request
 from fucina_jax.errors import ContextFullError, DraftSourceError, SpecOptionsError
-from fucina_jax.generate import generate
+from fucina_jax.generate import generate, generate_speculative
 from fucina_jax.index import SpeculationIndex
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.speculative import (
-    CostPoint,
-    SpecOptions,
-    SpeculativeDecoder,
-    generate_speculative,
-    steps,
-)
+from fucina_jax.speculative import CostPoint, SpecOptions
 
 CTX = 128
 GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)  # top_k 20: same candidate cap as SAMPLED
@@ -68,7 +63,7 @@ def check_observed(source, prompt, result):
     """observe() saw every committed id exactly once, in order; observe_topk rows align with each observe."""
     assert source.observed == list(prompt) + result.tokens
     for committed, rows in source.topk_calls:
-        assert rows.ndim == 2 and rows.shape[1] == steps.TOPK_FEEDBACK and rows.shape[0] == len(committed)
+        assert rows.ndim == 2 and rows.shape[1] == engine.TOPK_FEEDBACK and rows.shape[0] == len(committed)
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
@@ -141,10 +136,10 @@ def test_stop_id_inside_an_accepted_run(qwen3):
     j = next(i for i, t in enumerate(free.tokens) if i >= 5 and t not in free.tokens[:i])
     stop = free.tokens[j]
     plain = plain_run(qwen3, prompt, stop_ids=(stop,))
-    assert plain.stop_reason == "eog" and plain.tokens == free.tokens[:j]
+    assert plain.stop_reason == "stop" and plain.tokens == free.tokens[:j]
     src = ScriptedSource(perfect(truth))
     res = spec_run(qwen3, prompt, src, stop_ids=(stop,))
-    assert res.tokens == plain.tokens and res.stop_reason == "eog"
+    assert res.tokens == plain.tokens and res.stop_reason == "stop"
     assert src.observed == prompt + plain.tokens  # the stop id and the rows past it were never shown
 
 
@@ -177,27 +172,26 @@ def test_max_tokens_zero_and_prompt_validation(qwen3):
 
 
 def test_a_decoder_never_writes_past_its_cache_slots(qwen3):
-    """A decoder whose KV cache has fewer slots than its context (generate_speculative fits `slots` to prompt +
-    max_tokens) commits exactly the plain stream up to its last slot, clamps longer steps, and then refuses with a
-    clear error instead of dropping cache rows."""
+    """A decoder whose KV cache has fewer slots than its context (generate_speculative fits them to prompt +
+    max_tokens) commits exactly the plain stream up to its last slot, clamps longer steps, and then stops the row
+    with CONTEXT instead of dropping cache rows."""
     from fucina_jax.models import fitted_capacity
 
     prompt = ids(qwen3, "digits")
     want = plain_run(qwen3, prompt, max_tokens=40).tokens
     slots = -(-(len(prompt) + 5) // 16) * 16  # a multiple of SLOT_ALIGN: the cache holds exactly this many
-    dec = SpeculativeDecoder(qwen3, all_sources(prompt + want, qwen3.config.n_vocab)["perfect"], sampler=GREEDY,
-                             ctx=CTX, options=ALWAYS, slots=slots)
-    got = []
-    committed, _ = dec.bootstrap(dec.begin(prompt))
-    got += committed
+    src = all_sources(prompt + want, qwen3.config.n_vocab)["perfect"]
+    dec = Decoder(qwen3, ctx=CTX, capacity=slots, options=ALWAYS)
+    got = list(start(dec, prompt, 40, src, GREEDY).committed)
     assert dec.cache.capacity == slots
-    while dec.n <= slots:  # the newest committed id is not in the cache: n = slots + 1 fills every slot
-        committed, _ = dec.step(16)  # asks for more than the slots hold: the step is clamped
-        got += committed
-        _check_state(dec)
-    assert dec.n == slots + 1 and len(got) == slots + 1 - len(prompt) and got == want[: len(got)]
-    with pytest.raises(ContextFullError, match="slots"):
-        dec.step(1)
+    row = dec.rows[0]
+    while row.active:  # the newest committed id is not in the cache: n = slots + 1 fills every slot
+        got += dec.step()[0].committed  # the row may commit up to 40 ids: the steps are clamped to the slots
+        check_state(dec)
+    assert row.finish == CONTEXT and row.n == slots + 1
+    assert len(got) == slots + 1 - len(prompt) and got == want[: len(got)]
+    with pytest.raises(RuntimeError, match="no row is active"):
+        dec.step()
     assert fitted_capacity(1, 4096) == 256 and fitted_capacity(257, 4096) == 512 and fitted_capacity(5000, 4096) == 4096
     assert fitted_capacity(300, 100) == 100
     with pytest.raises(ValueError):
@@ -233,8 +227,8 @@ def test_replay_equivalence_of_sampler_inputs(qwen3):
     truth = prompt + plain.tokens
     got = []
     src = ScriptedSource(alternating(truth, qwen3.config.n_vocab))
-    dec = SpeculativeDecoder(qwen3, src, sampler=SAMPLED, ctx=CTX, options=ALWAYS, on_verify_row=capture(got))
-    res = _drive(dec, prompt, 60)
+    dec = Decoder(qwen3, ctx=CTX, options=ALWAYS, on_verify_row=capture(got))
+    res = drive(dec, prompt, 60, src, SAMPLED)
     assert res == plain.tokens
     ref = plain_rows(qwen3, truth, len(prompt), CTX)
     positions = [p for p, _, _ in got]
@@ -244,25 +238,48 @@ def test_replay_equivalence_of_sampler_inputs(qwen3):
     assert any(i > 0 for _, i, _ in got)  # verify rows past row 0 were compared too
 
 
-def _drive(dec: SpeculativeDecoder, prompt, max_tokens, stops=()):
-    """The generate loop's stop rules, driving a decoder directly; checks the cache/history invariant per step."""
-    logits = dec.begin(prompt)
-    committed, stopped = dec.bootstrap(logits, stops)
-    tokens = list(committed)
-    while not stopped and len(tokens) < max_tokens and len(prompt) + len(tokens) < dec.ctx:
-        limit = min(max_tokens - len(tokens), dec.ctx - len(prompt) - len(tokens))
-        committed, stopped = dec.step(limit, stops)
-        tokens += committed
-        _check_state(dec)
+def start(dec: Decoder, prompt, max_tokens, source, sampler, stops=()):
+    """Begin row 0 of a decoder on the prompt and sample its first token; returns that Outcome."""
+    req = Request(tuple(prompt), max_tokens, sampler.validate(), frozenset(stops), source)
+    return dec.first(dec.begin([req]))[0]
+
+
+def drive(dec: Decoder, prompt, max_tokens, source, sampler, stops=()):
+    """Drive a decoder directly to the end of its row, checking the history invariant after every step."""
+    tokens = list(start(dec, prompt, max_tokens, source, sampler, stops).committed)
+    while dec.active:
+        tokens += dec.step()[0].committed
+        check_state(dec)
     return tokens
 
 
-def _check_state(dec: SpeculativeDecoder):
-    """The cache holds every committed id but the newest, and the penalty window is the stream's tail."""
-    assert int(dec.cache.length[0]) == dec.n - 1
-    want = sampling.history_from_tokens(dec.stream[: dec.n].tolist(), dec.history.tokens.shape[0])
-    assert int(dec.history.count) == int(want.count)
-    np.testing.assert_array_equal(np.asarray(dec.history.tokens), np.asarray(want.tokens))
+def check_state(dec: Decoder):
+    """The penalty window the next step samples with (the history with the last step's commits pushed, as the
+    step pushes them) is the committed stream's tail."""
+    row = dec.rows[0]
+    history, _ = dec.state()
+    want = sampling.history_from_tokens(row.stream[: row.n].tolist(), history.tokens.shape[-1])
+    assert int(history.count[0]) == int(want.count)
+    np.testing.assert_array_equal(np.asarray(history.tokens[0]), np.asarray(want.tokens))
+
+
+def test_cached_equals_uncached(qwen3):
+    """After a speculative run with rejections, the cache holds exactly the committed stream minus the carried
+    token: the carried token's logits over it equal those of a fresh prefill of the whole stream."""
+    prompt = ids(qwen3, "text")
+    plain = plain_run(qwen3, prompt)
+    truth = prompt + plain.tokens
+    dec = Decoder(qwen3, ctx=CTX, options=ALWAYS)
+    assert drive(dec, prompt, 30, ScriptedSource(alternating(truth, qwen3.config.n_vocab)), GREEDY) == \
+        plain.tokens[:30]
+    assert dec.rows[0].stats.rejected > 0  # stale rows were written past the committed length
+    row = dec.rows[0]
+    _, cache = dec.state()
+    assert int(cache.length[0]) == row.n - 1
+    carried = np.asarray([row.stream[row.n - 1]], np.int32)
+    cached, _ = engine.decode_step(qwen3.params, carried, cache, qwen3.config)
+    fresh, _ = qwen3.prefill(row.stream[: row.n], qwen3.new_cache(CTX))
+    np.testing.assert_allclose(np.asarray(cached[0]), np.asarray(fresh), rtol=0, atol=1e-4)
 
 
 def test_penalties_condition_on_the_hypothetical_prefix(qwen3):
@@ -272,9 +289,8 @@ def test_penalties_condition_on_the_hypothetical_prefix(qwen3):
     plain = plain_run(qwen3, prompt, sampler=SAMPLED)
     truth = prompt + plain.tokens
     got = []
-    dec = SpeculativeDecoder(qwen3, ScriptedSource(perfect(truth)), sampler=SAMPLED, ctx=CTX, options=ALWAYS,
-                             on_verify_row=capture(got))
-    assert _drive(dec, prompt, 60) == plain.tokens
+    dec = Decoder(qwen3, ctx=CTX, options=ALWAYS, on_verify_row=capture(got))
+    assert drive(dec, prompt, 60, ScriptedSource(perfect(truth)), SAMPLED) == plain.tokens
     cap = SAMPLED.candidate_cap(qwen3.config.n_vocab)
     W = SAMPLED.history_capacity(CTX)
     params = SAMPLED.params()
@@ -322,21 +338,20 @@ def test_cache_never_keeps_unverified_rows_on_exceptions(qwen3):
         return perfect(truth)(stream, step)
 
     src = ScriptedSource(draft, max_len=4)  # short drafts: more steps, so every failure point is reached
-    dec = SpeculativeDecoder(qwen3, src, sampler=SAMPLED, ctx=CTX, options=ALWAYS, on_verify_row=hook)
-    committed, _ = dec.bootstrap(dec.begin(prompt), ())
-    tokens = list(committed)
+    dec = Decoder(qwen3, ctx=CTX, options=ALWAYS, on_verify_row=hook)
+    tokens = list(start(dec, prompt, 60, src, SAMPLED).committed)
     raised = {HookBoom: 0, SourceBoom: 0, DraftSourceError: 0}
-    while len(tokens) < 60:
-        n_before = dec.n
+    while dec.active:
+        n_before = dec.rows[0].n
         try:
-            committed, _ = dec.step(60 - len(tokens))
+            committed = dec.step()[0].committed
         except (HookBoom, SourceBoom, DraftSourceError) as e:
             raised[type(e)] += 1
-            assert dec.n == n_before
-            _check_state(dec)
+            assert dec.rows[0].n == n_before
+            check_state(dec)
             continue
         tokens += committed
-        _check_state(dec)
+        check_state(dec)
     assert tokens == plain.tokens
     assert raised == {HookBoom: 2, SourceBoom: 2, DraftSourceError: 1}
 
@@ -346,14 +361,15 @@ def test_source_observe_failure_leaves_cache_settled(qwen3):
     plain = plain_run(qwen3, prompt)
     truth = prompt + plain.tokens
     src = ScriptedSource(perfect(truth))
-    dec = SpeculativeDecoder(qwen3, src, sampler=GREEDY, ctx=CTX, options=ALWAYS)
-    dec.bootstrap(dec.begin(prompt), ())
+    dec = Decoder(qwen3, ctx=CTX, options=ALWAYS)
+    start(dec, prompt, 20, src, GREEDY)
     real_observe = src.observe
     src.observe = lambda c: (_ for _ in ()).throw(RuntimeError("observe failed"))
     with pytest.raises(RuntimeError):
-        dec.step(20)
-    _check_state(dec)  # the step's ids are committed (the cache and history agree) though the source missed them
-    assert dec.stream[len(prompt) : dec.n].tolist() == plain.tokens[: dec.n - len(prompt)]
+        dec.step()
+    check_state(dec)  # the step's ids are committed (the cache and history agree) though the source missed them
+    row = dec.rows[0]
+    assert row.n > len(prompt) + 1 and row.generated == plain.tokens[: row.n - len(prompt)]
     src.observe = real_observe
 
 
@@ -362,11 +378,11 @@ def test_bad_draft_length_is_reported(qwen3):
         def suggest(self, context, buf):
             return len(buf) + 1
 
-    dec = SpeculativeDecoder(qwen3, Liar(lambda s, k: []), sampler=GREEDY, ctx=CTX, options=ALWAYS)
-    dec.bootstrap(dec.begin(ids(qwen3, "text")), ())
+    dec = Decoder(qwen3, ctx=CTX, options=ALWAYS)
+    start(dec, ids(qwen3, "text"), 30, Liar(lambda s, k: []), GREEDY)
     with pytest.raises(DraftSourceError, match="length"):
-        dec.step(30)
-    _check_state(dec)
+        dec.step()
+    check_state(dec)
 
 
 def test_gating_is_orthogonal(qwen3):
@@ -417,11 +433,11 @@ def test_no_recompile_inside_a_bucket(qwen3):
     plain = plain_run(qwen3, prompt)
     truth = prompt + plain.tokens
     spec_run(qwen3, prompt, ScriptedSource(alternating(truth, qwen3.config.n_vocab)))  # warm every width
-    before = dict(steps.TRACE_COUNTS), dict(aot.LOADED)
+    before = aot.events()
     other = ids(qwen3, "text")
     spec_run(qwen3, other, ScriptedSource(alternating(other + plain_run(qwen3, other).tokens,
                                                       qwen3.config.n_vocab)))
-    assert (dict(steps.TRACE_COUNTS), dict(aot.LOADED)) == before
+    assert aot.events() == before
 
 
 def test_reference_documents_are_drafted(qwen3):

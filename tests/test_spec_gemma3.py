@@ -16,7 +16,9 @@ from spec_helpers import ScriptedSource, all_sources, alternating
 from fucina_jax import engine, sampling
 from fucina_jax.generate import generate
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.speculative import SpecOptions, SpeculativeDecoder, generate_speculative
+from fucina_jax.decoder import Decoder, Request
+from fucina_jax.generate import generate_speculative
+from fucina_jax.speculative import SpecOptions
 
 CTX = 512
 GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)
@@ -107,12 +109,11 @@ def test_replay_equivalence_and_hypothetical_prefix_penalties(gemma3, plain):
     truth = prompt + ref.tokens
     got = []
     src = ScriptedSource(alternating(truth, gemma3.config.n_vocab))
-    dec = SpeculativeDecoder(gemma3, src, sampler=SAMPLED, ctx=CTX, options=ALWAYS,
-                             on_verify_row=lambda p, i, row: got.append((p, i, np.array(row))))
-    committed, _ = dec.bootstrap(dec.begin(prompt), ())
-    tokens = list(committed)
-    while len(tokens) < SHORT:
-        tokens += dec.step(SHORT - len(tokens))[0]
+    dec = Decoder(gemma3, ctx=CTX, options=ALWAYS, on_verify_row=lambda p, i, row: got.append((p, i, np.array(row))))
+    tokens = list(dec.first(dec.begin([Request(tuple(prompt), SHORT, SAMPLED.validate(), frozenset(), src)]))[0]
+                  .committed)
+    while dec.active:
+        tokens += dec.step()[0].committed
     assert tokens == ref.tokens
     assert [p for p, _, _ in got] == list(range(len(prompt), len(truth)))
 

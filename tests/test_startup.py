@@ -44,7 +44,7 @@ print("FIRST", first)
 """
 
 # the jitted functions a generation may compile before its first token
-STEPS = {"_zeros", "prefill_step", "sample_rows", "push_history", "decode_sample_step", "verify_sample_step"}
+STEPS = {"_zeros", "prefill_step", "sample_step", "decode_sample_step"}
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ Design record section 3. A verify over k draft tokens costs C(k) plain decode st
 accepted prefix, the +1 correction/bonus is free), so it wins iff a + 1 > C(k): strict break-even a = C(k) - 1
 accepted tokens, i.e. acceptance (C(k) - 1) / k; the conservative planning figure C(k) / k ignores the free token.
 
-Measured with the decoder's own compiled steps: spec.steps.verify_sample_step at every engine.VERIFY_BUCKETS width
-against engine.decode_sample_step, on the same cache state (`prompt_len` cached tokens in a `ctx`-slot cache: the
+Measured with the decoder's own compiled step, engine.decode_sample_step, at every engine.VERIFY_BUCKETS width
+against its width-1 plain step, on the same cache state (`prompt_len` cached tokens in a `ctx`-slot cache: the
 attention spans every slot, so the context size is part of the measurement). After one warm-up (compile) call of
 every step, each round times `reps` (plain, verify) pairs interleaved call by call for each width and keeps
 best verify / best plain; the table is the median over rounds. Interleaving puts numerator and denominator in the
@@ -30,11 +30,9 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import engine, sampling
-from fucina_jax.models import truncate
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.speculative.cost_table import (
     DEFAULT_TABLE_PATH,
@@ -43,7 +41,6 @@ from fucina_jax.speculative.cost_table import (
     read_cost_points,
 )
 from fucina_jax.speculative.gate import CostPoint, SpecOptions
-from fucina_jax.speculative.steps import verify_sample_step
 
 __all__ = [
     "DEFAULT_TABLE_PATH",
@@ -139,29 +136,29 @@ def measure_cost_table(
     rng = np.random.default_rng(0)
     n_vocab = model.config.n_vocab
     prompt = rng.integers(0, n_vocab, prompt_len).tolist()
-    history = sampling.history_from_tokens(prompt, cfg.history_capacity(ctx))
     _, cache = model.prefill(prompt, model.new_cache(ctx))
-    base = int(cache.length[0])
-    last = jnp.asarray([prompt[-1]], jnp.int32)
+    one_row = lambda tree: jax.device_put(jax.tree_util.tree_map(lambda x: np.asarray(x)[None], tree))
+    history = one_row(sampling.history_from_tokens(prompt, cfg.history_capacity(ctx)))
+    sparams = one_row(sparams)
+    start = np.asarray([len(prompt)], np.int32)  # each call rewinds the cache to the prompt: no truncate needed
+    no_push, n_push = np.full((1, engine.STEP_WIDTHS[-1]), -1, np.int32), np.zeros(1, np.int32)
     # Random drafts: the cost of a verify does not depend on whether its rows are accepted.
-    inputs = {}
+    inputs = {1: (np.asarray([[prompt[-1]]], np.int32), np.full((1, 1), -1, np.int32))}
     for w in widths:
-        toks = jnp.asarray(rng.integers(0, n_vocab, (1, w)), jnp.int32)
-        inputs[w] = (toks, jnp.concatenate([toks[0, 1:], jnp.asarray([-1], jnp.int32)]))
+        toks = rng.integers(0, n_vocab, (1, w)).astype(np.int32)
+        inputs[w] = (toks, np.concatenate([toks[:, 1:], np.full((1, 1), -1, np.int32)], axis=1))
 
-    def plain(cache):
-        t0 = time.perf_counter()
-        tok, cache, _ = engine.decode_sample_step(model.params, last, cache, history, sparams, model.config, cap)
-        np.asarray(tok)  # waits for the result
-        return time.perf_counter() - t0, truncate(cache, base)
-
-    def verify(cache, w):
+    def timed(cache, w):
+        """One fused step of width w (1: the plain decode step) as the decoder calls it."""
         toks, drafts = inputs[w]
         t0 = time.perf_counter()
-        sampled, _, _, cache = verify_sample_step(model.params, toks, drafts, cache, history, sparams, model.config,
-                                                  cap)
-        np.asarray(sampled)
-        return time.perf_counter() - t0, truncate(cache, base)
+        sampled, _, _, _, cache = engine.decode_sample_step(model.params, toks, drafts, start, cache, history,
+                                                            no_push, n_push, sparams, model.config, cap)
+        np.asarray(sampled)  # waits for the result
+        return time.perf_counter() - t0, cache
+
+    plain = lambda cache: timed(cache, 1)
+    verify = timed
 
     bar = None
     if progress:
@@ -198,7 +195,7 @@ def measure_cost_table(
     return CostTableResult(
         model=os.path.basename(model.path), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), machine=machine_description(), plain_ms=statistics.median(plains) * 1e3,
-        rows=tuple(rows), ctx=ctx, cached_tokens=base, sampler=_sampler_name(cfg), reps=reps, rounds=rounds,
+        rows=tuple(rows), ctx=ctx, cached_tokens=len(prompt), sampler=_sampler_name(cfg), reps=reps, rounds=rounds,
         command=command, seconds=time.perf_counter() - t_start,
     )
 

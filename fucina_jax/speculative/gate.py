@@ -214,8 +214,19 @@ class CostGate:
         self.plain_ns = float(ns) if self.plain_samples == 0 else a * ns + (1.0 - a) * self.plain_ns
         self.plain_samples += 1
 
-    def verify_cost(self, draft_len: int, verify_ns: float | None = None) -> float:
-        """One verify's cost in plain steps: the table times the live scale, which a timed verify updates."""
+    def verify_cost(self, draft_len: int, verify_ns: float | None = None, rows: int = 1) -> float:
+        """One verify's cost in plain-step equivalents.
+
+        One row: the table times the live scale, which a timed verify updates. Several rows (a batch, one forward
+        for all of them): the measured ratio to the batch's own plain step (else the table), times the rows, since
+        a plain step commits one token per row; so est_speedup is tokens per row per plain-step time. Why not the
+        single-stream table: at B > 1 a CPU forward stops being bound by streaming the weights and its cost grows
+        with B * k (a width-8 step costs 2.8 width-1 steps at B = 1, 5.4 at B = 2 and 8.4 at B = 4 on Gemma 3 270M,
+        2 cores), so the table underprices batches."""
+        if rows > 1:
+            if verify_ns is not None and self.plain_samples and self.plain_ns > 0:
+                return max(verify_ns / self.plain_ns, 1.0) * rows
+            return max(table_cost(self.options.cost_table, draft_len), 1.0) * rows
         base = table_cost(self.options.cost_table, draft_len)
         if verify_ns is not None and self.plain_samples > 0 and self.plain_ns > 0:
             measured = max(verify_ns / self.plain_ns, 1.0)

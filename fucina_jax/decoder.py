@@ -1,0 +1,602 @@
+"""The one decoder: B rows (conversations) over one KV cache, each decoded plainly or speculatively.
+
+Every driver runs on it: `generate` (B = 1, speculation off), `generate_speculative` (B = 1), `generate_batched`
+(B rows) and `chat.Conversation` (B = 1, its stream carried across turns). Plain decoding is this decoder with
+speculation off: the same step, one token wide.
+
+The losslessness contract (design record section 2): the committed stream is the one plain decoding commits, for
+greedy and sampled decoding, through one code path. A draft source is deterministic (a one-hot proposal), so
+speculative rejection sampling reduces to the accept rule (`accept`, below): sample every verified row with the
+full sampler pipeline, conditioned on its hypothetical prefix; accept while the sample equals the draft token; the
+first mismatching sample is the correction token (distributed as the target's), and when the whole draft matches,
+the last row's sample is a free bonus token. Token ids are compared, never probabilities; temperature <= 0 makes
+the same path an argmax.
+
+One step (`Decoder.step`):
+
+  1. the cost gate may veto speculation (every row steps plainly); else each active row drafts from its own source
+     up to the gate's acceptance-adaptive budget, capped so the row never commits past its limit; a draft shorter
+     than `min_draft` is dropped;
+  2. ONE fused forward + sampler over tokens [B, k] (engine.decode_sample_step): row b = [its carried token, its
+     draft..., padding], k the step width of the longest draft (k = 1: a plain step). Row (b, i) is sampled at
+     row b's stream position n_b + i with its history + draft[:i] (the counter-based RNG keys on (seed, position));
+  3. each row commits what `accept` keeps, cut at a stop id (not committed, as plain decoding stops on it) or at
+     its limit: plain decoding would have stopped there, so no row past it is committed or shown to the source;
+  4. the committed ids enter the row's stream and (fused into the next step) its penalty history, its source
+     observes them (and their top-K rows when it wants them), and the gate gets the step's outcome and cost.
+
+The invariant, held here and nowhere else: between steps row b's stream[:n] is committed (prompt included), its
+cache holds positions 0..n-2 (the newest token is "carried": it is the next step's first input) and its history
+window ends with stream[n-1]. No truncate call keeps it: each step passes `start = n - 1` per row and the step
+rewinds the cache to it first, so rows a step wrote past what it committed (rejected drafts) are stale and never
+visible. A step is atomic: if anything raises before its commit (a hook, a bad draft, the forward), nothing of it
+is committed.
+
+Stop reasons, one vocabulary across the API, the CLI's --json and chat: STOP (an end-of-generation or stop id was
+sampled), MAX_TOKENS, CONTEXT (the context is full); the chat driver adds STOP_SEQUENCE and INTERRUPTED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Container, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from fucina_jax import aot, engine, sampling
+from fucina_jax.checks import is_int
+from fucina_jax.errors import ContextFullError, DraftSourceError
+from fucina_jax.index.protocol import DraftSource
+from fucina_jax.models import truncate
+from fucina_jax.sampling import SamplerConfig
+from fucina_jax.speculative.gate import MAX_DRAFT, CostGate, SpecOptions
+
+__all__ = [
+    "STOP",
+    "STOP_SEQUENCE",
+    "MAX_TOKENS",
+    "CONTEXT",
+    "INTERRUPTED",
+    "STOP_REASONS",
+    "Decoder",
+    "Outcome",
+    "Request",
+    "Row",
+    "SpecStats",
+    "VerifyRowHook",
+    "accept",
+    "check_request",
+]
+
+STOP = "stop"  # an end-of-generation or stop id was sampled (it is not committed)
+STOP_SEQUENCE = "stop_sequence"  # the reply text reached a stop sequence (chat)
+MAX_TOKENS = "max_tokens"
+CONTEXT = "context"  # the context (or the cache) is full
+INTERRUPTED = "interrupted"  # KeyboardInterrupt, an error, or the consumer closed the stream (chat)
+STOP_REASONS = (STOP, STOP_SEQUENCE, MAX_TOKENS, CONTEXT, INTERRUPTED)
+
+# hook(position, row_index, logits): every logits row the sampler consults, pre-penalty, in stream order.
+# `position` is the stream index of the token the row picks (the RNG counter), `row_index` the row within its
+# verify (0 for plain steps and the first token). Rows past a verify's first mismatch are not passed. B = 1 only.
+VerifyRowHook = Callable[[int, int, np.ndarray], None]
+
+
+# ---- the accept rule ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one row commits in one step."""
+
+    committed: tuple[int, ...]
+    stopped: bool  # a stop id was sampled right after `committed` (not committed)
+    drafted: int  # draft tokens verified (0: a plain step)
+    accepted: int  # draft tokens committed verbatim
+
+    @property
+    def rejected(self) -> bool:
+        """The verify ended in a correction token (a sample that differed from its draft token)."""
+        return not self.stopped and self.accepted < min(len(self.committed), self.drafted)
+
+    @property
+    def bonus(self) -> bool:
+        """The whole draft matched: the row after it gave a free token."""
+        return self.drafted > 0 and len(self.committed) == self.drafted + 1
+
+
+def accept(sampled: Sequence[int], draft: Sequence[int], stops: Container[int], limit: int) -> Outcome:
+    """The accept rule of one row's step: sampled[i] is the target's pick for the prefix stream + draft[:i] (row i
+    of the verify, drawn at its own stream position), draft the d tokens verified (empty for a plain step),
+    sampled at least d + 1 long.
+
+    Row i's sample is committed iff every earlier row's sample equalled its draft token: then the prefix row i is
+    conditioned on is the committed stream, and its sample is exactly what plain decoding draws there. So: walk
+    the rows in order, commit each sample, and go on to the next row only while the sample equals the row's draft
+    token (accepted); the first sample that differs is the correction token, and when all d match, row d's sample
+    is the bonus token. A stop id ends the walk before it is committed (plain decoding stops on it), and so does
+    `limit` (>= 1) after that many ids (plain decoding stops at max_tokens or a full context).
+    """
+    committed: list[int] = []
+    d = len(draft)
+    for i in range(d + 1):
+        t = int(sampled[i])
+        if t in stops:
+            return Outcome(tuple(committed), True, d, i)  # rows 0..i-1 all matched
+        committed.append(t)
+        if i == d or t != draft[i]:
+            return Outcome(tuple(committed), False, d, i)  # bonus (i == d) or correction
+        if len(committed) >= limit:
+            return Outcome(tuple(committed), False, d, i + 1)
+    raise AssertionError("unreachable: the walk ends at row d")
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counts over one row's decode steps. The first generated token is sampled from the prefill logits and is
+    counted in no step (it needs no forward of its own)."""
+
+    steps: int = 0  # decode steps
+    verify_steps: int = 0  # steps that verified a draft
+    fallback_steps: int = 0  # plain steps while speculation was on: no draft, or one shorter than min_draft
+    disabled_steps: int = 0  # plain steps because the gate (or enabled=False) switched speculation off
+    committed: int = 0  # tokens committed by the steps
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens committed verbatim
+    bonus: int = 0  # whole draft accepted: the extra row's free token
+    rejected: int = 0  # verifies that ended in a correction token
+
+    def record(self, o: Outcome) -> None:
+        self.committed += len(o.committed)
+        if o.drafted:
+            self.verify_steps += 1
+            self.drafted += o.drafted
+            self.accepted += o.accepted
+            self.bonus += o.bonus
+            self.rejected += o.rejected
+
+    @property
+    def tok_per_step(self) -> float:
+        return self.committed / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"spec: steps={self.steps} (verify {self.verify_steps}, fallback {self.fallback_steps}, off "
+            f"{self.disabled_steps}) committed={self.committed} ({self.tok_per_step:.2f} tok/step) "
+            f"drafted={self.drafted} accepted={self.accepted} ({100 * self.acceptance:.1f}% acc) "
+            f"bonus={self.bonus} rejected={self.rejected}"
+        )
+
+
+# ---- requests and rows --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One validated generation request (check_request builds it)."""
+
+    prompt: tuple[int, ...]  # token ids, BOS included
+    max_tokens: int  # generated tokens at most
+    sampler: SamplerConfig  # validated: a concrete seed
+    stops: frozenset[int]  # ids that end the generation when sampled (not committed)
+    source: DraftSource | None = None  # the row's drafts; None: it never drafts
+
+
+def check_request(model, prompt_ids, max_tokens: int, sampler, ctx, stop_ids) -> tuple[Request, int]:
+    """Validate one generation request (every driver refuses the same input with the same errors). Returns the
+    Request (without a source) and the context size."""
+    if not all(hasattr(model, a) for a in ("params", "config", "check_ids", "check_ctx")):
+        raise TypeError(f"model must be a fucina_jax Model (fucina_jax.load(path)), got {type(model).__name__}")
+    prompt = model.check_ids(prompt_ids).tolist()
+    if not is_int(max_tokens):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__} {max_tokens!r}")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens = {max_tokens} is invalid: it must be >= 0")
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token (e.g. BOS) is needed to start generating")
+    cfg = sampling.validated_config(sampler)
+    ctx = model.check_ctx(ctx)
+    if len(prompt) >= ctx:
+        raise ContextFullError(
+            f"the prompt has {len(prompt)} tokens but the context holds {ctx}: use a larger --ctx (max "
+            f"{model.config.context_length}) or a shorter prompt"
+        )
+    if stop_ids is None:
+        stops = frozenset(model.tokenizer.eog_ids)
+    else:
+        if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
+            raise TypeError(f"stop_ids must be a collection of token ids (ints), got {type(stop_ids).__name__}")
+        stop_ids = list(stop_ids)
+        V = model.config.n_vocab
+        bad = [t for t in stop_ids if not is_int(t) or not 0 <= t < V]
+        if bad:
+            raise ValueError(f"stop_ids {bad} are not token ids of this model (0..{V - 1})")
+        stops = frozenset(int(t) for t in stop_ids)
+    return Request(tuple(prompt), int(max_tokens), cfg, stops), ctx
+
+
+@dataclasses.dataclass(eq=False)
+class Row:
+    """One conversation inside the decoder: its committed stream and what decodes it."""
+
+    stream: np.ndarray  # int32 [ctx]: stream[:n] is committed, prompt included
+    n: int
+    first: int  # stream[first:n] is what this request generated (first = its prompt's length)
+    max_tokens: int
+    sampler: SamplerConfig
+    stops: frozenset[int]
+    source: DraftSource | None
+    stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+    reused: int = 0  # prompt ids the row found in the cache when it started (a chat's earlier turns)
+    finish: str | None = None  # why the row stopped (a STOP_REASONS value); None while it decodes
+
+    @property
+    def generated(self) -> list[int]:
+        return self.stream[self.first : self.n].tolist()
+
+    @property
+    def active(self) -> bool:
+        return self.finish is None
+
+
+# ---- the decoder --------------------------------------------------------------------------------------------------
+
+
+class Decoder:
+    """B rows decoded in lockstep over one KV cache; see the module docstring.
+
+    Drive it as: `logits = begin(requests)` (prefill), `first(logits)` (each new row's first token), then
+    `step()` while any row is active. `first` and `step` return one Outcome per row (None for a row that did not
+    take part); a row that is done has `finish` set. `begin(..., keep=...)` and `rewind` continue a row's stream
+    across chat turns; `release` frees a row.
+
+    ctx: token positions per row (default: the model's). capacity: KV cache slots per row (default ctx; a one-shot
+    run fits it to prompt + max_tokens, models.fitted_capacity). options: the speculation knobs and gate policy
+    (enabled=False: plain decoding). clock (ns, e.g. time.perf_counter_ns) turns on the gate's live cost model.
+    on_verify_row: the replay-equivalence instrument (VerifyRowHook), B = 1 only.
+    """
+
+    def __init__(
+        self,
+        model,
+        batch: int = 1,
+        *,
+        ctx: int | None = None,
+        capacity: int | None = None,
+        options: SpecOptions | None = None,
+        clock: Callable[[], int] | None = None,
+        on_verify_row: VerifyRowHook | None = None,
+    ):
+        if not is_int(batch) or batch < 1:
+            raise ValueError(f"batch = {batch!r}: at least one row is needed")
+        if on_verify_row is not None and batch != 1:
+            raise ValueError("on_verify_row instruments one row: use batch = 1")
+        self.model = model
+        self.B = int(batch)
+        self.ctx = model.check_ctx(ctx)
+        self.capacity = min(int(capacity or self.ctx), self.ctx)
+        self.options = (options or SpecOptions()).validate()
+        self.gate = CostGate(self.options)
+        self.clock = clock
+        self.on_verify_row = on_verify_row
+        self.rows: list[Row | None] = [None] * self.B
+        self.cache = None
+        self.history = None  # sampling.History, tokens [B, W], count [B]
+        self._pushed = None  # the last step's samples [B, N] (device) and how many of each row's were committed:
+        self._n_pushed = np.zeros(self.B, np.int32)  # the next step pushes them into the history, fused
+        self._sparams = None  # SamplerParams with [B] leaves
+        self._cap = 0  # the sampler's static candidate cap: the widest any row needs (any cap gives the same tokens)
+        self._window = 0  # the history window: the longest any row needs (each row cuts it to its own)
+        self._buf = np.zeros(MAX_DRAFT, np.int32)  # sources draft into this
+        self._fresh = [False] * self.B  # rows begun whose first token first() has not sampled yet
+
+    # ---- starting rows ------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return any(r is not None and r.active for r in self.rows)
+
+    def begin(self, requests: Sequence[Request | None], keep: Sequence[int] | None = None) -> jax.Array:
+        """Start row b on requests[b] (None leaves row b as it is): prefill every new prompt together and show each
+        to its row's source. keep[b] (a chat's next turn) is how many leading ids of the prompt equal row b's
+        committed stream: the cache keeps those and only the rest is prefilled, the row's statistics go on, and its
+        source is shown nothing (the chat driver syncs it). Returns the logits [B, V] after each new prompt
+        (first() samples from them)."""
+        if len(requests) != self.B or (keep is not None and len(keep) != self.B):
+            raise ValueError(f"{len(requests)} requests for a decoder of {self.B} rows")
+        alive = self.cache_alive()
+        if not alive:
+            self.cache = None  # donated to a step that never returned: every row is prefilled again
+        prompts: list[np.ndarray | None] = [None] * self.B
+        lengths: dict[int, int] = {}
+        for b, req in enumerate(requests):
+            if req is None:
+                continue
+            p = np.asarray(req.prompt, np.int32).reshape(-1)
+            if not 0 < p.size < self.ctx:
+                raise ContextFullError(
+                    f"the prompt has {p.size} tokens but the context holds {self.ctx}: use a larger --ctx, or a "
+                    "shorter prompt (in a chat: start a new conversation, /reset in the REPL)")
+            old = self.rows[b]
+            # the invariant: the cache holds stream[:n-1]; keep at least one id to prefill (its logits pick the
+            # first token)
+            cached = max(old.n - 1, 0) if keep is not None and old is not None and alive else 0
+            c = min(int(keep[b]), cached, p.size - 1) if cached else 0
+            prompts[b] = p[c:]
+            lengths[b] = c
+            stream = old.stream if c else np.zeros(self.ctx, np.int32)
+            stats = old.stats if keep is not None and old is not None else SpecStats()
+            # Until the prefill is done only stream[:c] is known to be in the cache: should it fail, the invariant
+            # holds with the committed stream cut there (the next start prefills the rest again).
+            self.rows[b] = Row(stream, c + 1 if c else 0, c, req.max_tokens, req.sampler, req.stops, req.source,
+                               stats, reused=c)
+        if self.cache is not None:
+            self.cache = _truncated_rows(self.cache, lengths)
+        logits = self._prefill([None if p is None else p for p in prompts])
+        for b, req in enumerate(requests):
+            if req is not None:
+                row = self.rows[b]
+                row.stream[: len(req.prompt)] = req.prompt
+                row.n = row.first = len(req.prompt)
+        self._rows_changed()
+        if keep is None:
+            for b, req in enumerate(requests):
+                if req is not None and req.source is not None:
+                    req.source.observe(np.asarray(req.prompt, np.int32))
+        self._fresh = [req is not None for req in requests]
+        return logits
+
+    def rewind(self, b: int, n: int) -> None:
+        """Drop row b's committed tokens past n (its cache follows by the invariant: the next step starts there)."""
+        row = self.rows[b]
+        if n < row.n:
+            row.n = max(int(n), 0)
+            self._rows_changed()
+
+    def release(self, b: int) -> None:
+        """Free row b (its slot in the cache rides along, unread, until a request takes it)."""
+        self.rows[b] = None
+
+    def first(self, logits: jax.Array) -> list[Outcome | None]:
+        """Sample each new row's first token from its prefill logits ([B, V], as begin() returns them),
+        exactly as plain decoding does."""
+        fresh = [b for b in range(self.B) if self._fresh[b]]
+        self._fresh = [False] * self.B
+        positions = np.asarray([r.n if r is not None else 0 for r in self.rows], np.int32)
+        if self.on_verify_row is not None:
+            self.on_verify_row(int(positions[0]), 0, np.asarray(logits)[0])
+        sampled_dev = engine.sample_step(logits, positions, self.history, self._sparams, self._cap)
+        sampled = np.asarray(sampled_dev)
+        out: list[Outcome | None] = [None] * self.B
+        n_new = np.zeros(self.B, np.int32)
+        for b in fresh:
+            row = self.rows[b]
+            o = accept(sampled[b], (), row.stops, 1)
+            self._commit(row, o, count=False)
+            n_new[b] = len(o.committed)
+            out[b] = o
+        self._pushed, self._n_pushed = sampled_dev, n_new
+        for b in fresh:
+            self._observe(self.rows[b], out[b], None)
+        return out
+
+    # ---- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[Outcome | None]:
+        """One step of every active row: each commits 1..limit ids (0 when its first sample is a stop)."""
+        if self.cache is None:
+            raise RuntimeError("call begin() (and first()) before step()")
+        rows = self.rows
+        active = [b for b in range(self.B) if rows[b] is not None and rows[b].finish is None]
+        if not active:
+            raise RuntimeError("no row is active: every one has finished or been released")
+        o = self.options
+        gate = self.gate
+        # With a clock, the gate needs the plain step's time before it can price a verify: step plainly until one
+        # plain step ran without compiling.
+        calibrating = self.clock is not None and gate.plain_samples == 0
+        speculate = o.enabled and not calibrating and gate.allows()
+        budget = o.max_draft
+        if speculate and o.adapt_budget:
+            budget = min(budget, gate.budget_cap(o.max_draft, o.min_draft))
+        limits = {}
+        drafts = {}
+        for b in active:
+            row = rows[b]
+            row.stats.steps += 1
+            limits[b] = limit = self._limit(row)
+            d = 0
+            max_draft = min(budget, limit - 1)
+            if speculate and row.source is not None and max_draft >= o.min_draft:
+                d = self._suggest(b, row, max_draft)
+                if d < o.min_draft:
+                    d = 0
+            if not o.enabled or not (speculate or calibrating):
+                row.stats.disabled_steps += 1
+            elif d == 0:
+                row.stats.fallback_steps += 1
+            if d:
+                drafts[b] = self._buf[:d].copy()
+        width = engine.bucket_for(1 + max((len(x) for x in drafts.values()), default=0), engine.STEP_WIDTHS)
+        toks = np.zeros((self.B, width), np.int32)  # padding rows hold token 0: computed, never looked at
+        dr = np.full((self.B, width), -1, np.int32)
+        start = np.zeros(self.B, np.int32)
+        for b, row in enumerate(rows):
+            if row is not None and row.n:
+                start[b] = row.n - 1
+                toks[b, 0] = row.stream[row.n - 1]
+        for b, x in drafts.items():
+            toks[b, 1 : 1 + x.size] = x
+            dr[b, : x.size] = x
+        hook = self.on_verify_row
+        wants_topk = width > 1 and any(getattr(rows[b].source, "wants_topk", False) for b in drafts)
+        events = aot.events()
+        t0 = self.clock() if self.clock else 0
+        cache, self.cache = self.cache, None  # donated below
+        try:
+            sampled_dev, self.history, logits, topk, self.cache = engine.decode_sample_step(
+                self.model.params, toks, dr, start, cache, self.history, self._pushed, self._n_pushed,
+                self._sparams, self.model.config, self._cap, wants_topk=wants_topk, with_logits=hook is not None,
+            )
+        except BaseException:
+            self.cache = cache  # the forward failed: its input may still be whole (cache_alive tells)
+            raise
+        self._n_pushed = np.zeros(self.B, np.int32)  # pushed: until this step commits, nothing is pending
+        sampled = np.asarray(sampled_dev)
+        step_ns = self.clock() - t0 if self.clock and aot.events() == events else None
+        out: list[Outcome | None] = [None] * self.B
+        for b in active:
+            x = drafts.get(b, ())
+            out[b] = accept(sampled[b], x, rows[b].stops, limits[b])
+        if hook is not None:  # before anything is committed: a hook that raises leaves the step uncommitted
+            rows_np = np.asarray(logits)[0]
+            o0 = out[0]
+            for i in range(len(o0.committed) + o0.stopped):
+                hook(rows[0].n + i, i, rows_np[i])
+        n_new = np.zeros(self.B, np.int32)
+        for b in active:
+            self._commit(rows[b], out[b])
+            n_new[b] = len(out[b].committed)
+        self._pushed, self._n_pushed = sampled_dev, n_new
+        self._price(width, active, out, step_ns)
+        # streams, lengths and histories are settled: a source raising below leaves the decoder consistent
+        topk_rows = np.asarray(topk) if topk is not None else None
+        for b in active:
+            self._observe(rows[b], out[b], None if topk_rows is None or b not in drafts else topk_rows[b])
+        return out
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    def _limit(self, row: Row) -> int:
+        """The most ids the row may commit this step: its token budget, the context, and the cache (a step writes
+        positions n-1 .. n+limit-2)."""
+        return min(row.max_tokens - (row.n - row.first), self.ctx - row.n, self.cache.capacity + 1 - row.n)
+
+    def _commit(self, row: Row, o: Outcome, count: bool = True) -> None:
+        """Append the outcome to the row's stream, count it in the row's statistics (a step's; not the first token)
+        and decide whether the row is done: the stop rules, here only."""
+        k = len(o.committed)
+        if k:
+            row.stream[row.n : row.n + k] = o.committed
+            row.n += k
+        if count:
+            row.stats.record(o)
+        if o.stopped:
+            row.finish = STOP
+        elif row.n - row.first >= row.max_tokens:
+            row.finish = MAX_TOKENS
+        elif row.n >= min(self.ctx, self.cache.capacity + 1):
+            row.finish = CONTEXT
+
+    def _observe(self, row: Row, o: Outcome, topk_rows) -> None:
+        src = row.source
+        if src is None or not o.committed:
+            return
+        src.observe(np.asarray(o.committed, np.int32))
+        if topk_rows is not None and getattr(src, "wants_topk", False):
+            # one row per committed id, in order (DraftSource.observe_topk); rejected rows are not passed
+            src.observe_topk(topk_rows[: len(o.committed)])
+
+    def _price(self, width: int, active: list[int], out: list, step_ns) -> None:
+        """Feed the step's outcome and cost to the gate: a plain step's time, or a verify's tokens and cost."""
+        if width == 1:
+            if step_ns is not None:
+                self.gate.note_plain_ns(step_ns)
+            return
+        cost = self.gate.verify_cost(width - 1, step_ns, rows=len(active))
+        self.gate.record_verify(sum(len(out[b].committed) for b in active), sum(out[b].accepted for b in active),
+                                sum(out[b].drafted for b in active), cost)
+
+    def _suggest(self, b: int, row: Row, max_draft: int) -> int:
+        context = row.stream[: row.n]
+        context.flags.writeable = False  # the contract says sources must not modify it: make that loud
+        buf = self._buf[:max_draft]
+        n = row.source.suggest(context, buf)
+        who = "the draft source" if self.B == 1 else f"the draft source of row {b}"
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= max_draft:
+            raise DraftSourceError(f"{who} returned length {n!r}; it must be an int in [0, {max_draft}]")
+        n = int(n)
+        if n:
+            ids = buf[:n]
+            lo, hi = int(ids.min()), int(ids.max())
+            V = self.model.config.n_vocab
+            if lo < 0 or hi >= V:
+                raise DraftSourceError(f"{who} proposed token id {lo if lo < 0 else hi}, outside the vocabulary "
+                                       f"[0, {V})")
+        return n
+
+    def _rows_changed(self) -> None:
+        """Rows were started or rewound: rebuild every row's sampler values and history window from the
+        host streams (nothing left pending), widening the static cap and window if a row needs more."""
+        V = self.model.config.n_vocab
+        samplers = [r.sampler for r in self.rows if r is not None]
+        self._cap = max([self._cap, *(s.candidate_cap(V) for s in samplers)])
+        self._window = max([self._window, *(s.history_capacity(self.ctx) for s in samplers)])
+        # a free row rides along with another row's sampler values
+        self._sparams = _stack([(r.sampler if r is not None else samplers[0]).params() for r in self.rows])
+        self.history = _stack([sampling.history_from_tokens(r.stream[: r.n].tolist() if r else [], self._window)
+                               for r in self.rows])
+        self._pushed = jax.device_put(np.full((self.B, engine.STEP_WIDTHS[-1]), -1, np.int32))
+        self._n_pushed = np.zeros(self.B, np.int32)
+
+    def prepare(self, requests: Sequence[Request | None]) -> None:
+        """Bring in (load from the persistent store, or compile) the prefill programs begin(requests) will run,
+        without running them, so the prefill can be timed on its own (the cache is allocated here if need be)."""
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.capacity, self.B)
+        prompts = [None if r is None else np.asarray(r.prompt, np.int32) for r in requests]
+        engine.prepare_prefill(self.model.params, self.model.config, prompts, self.cache)
+
+    def _prefill(self, prompts: list[np.ndarray | None]) -> jax.Array:
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.capacity, self.B)
+        cache, self.cache = self.cache, None
+        logits, self.cache = engine.prefill(self.model.params, self.model.config, prompts, cache)
+        return logits
+
+    def state(self):
+        """(History, KVCache) as the next step sees them: every row's penalty window with the last step's commits
+        pushed, and the cache with each row's length at its committed stream minus the carried token. For
+        inspection, and for callers that take a row's state out (eager ops: not for the hot path)."""
+        history = engine.push_rows(self.history, self._pushed, np.asarray(self._n_pushed))
+        lengths = {b: max(r.n - 1, 0) for b, r in enumerate(self.rows) if r is not None}
+        return history, _truncated_rows(self.cache, lengths)
+
+    def cache_alive(self) -> bool:
+        """False when the cache's buffers were donated to a step that never returned (an interrupt): the rows'
+        streams are intact but must be prefilled again."""
+        return self.cache is not None and not any(getattr(x, "is_deleted", lambda: False)()
+                                                  for x in jax.tree_util.tree_leaves(self.cache))
+
+    def spec_stats(self, b: int = 0) -> dict:
+        """Row b's statistics as plain values (GenerationResult.spec / --json)."""
+        row = self.rows[b]
+        st = row.stats
+        out = dataclasses.asdict(st)
+        out.update(tok_per_step=round(st.tok_per_step, 4), acceptance=round(st.acceptance, 4), summary=st.summary(),
+                   max_draft=self.options.max_draft, gate=self.gate.decisions())
+        if self.B > 1:
+            out["batch"] = self.B
+        src = row.source
+        if src is not None and hasattr(src, "stats"):
+            out["sources"] = [dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s for s in src.stats()]
+        if src is not None and hasattr(src, "summary"):
+            out["sources_summary"] = src.summary()
+        return out
+
+
+def _stack(trees):
+    """Host pytrees stacked along a new leading axis, placed on the device in one transfer."""
+    return jax.device_put(jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees))
+
+
+def _truncated_rows(cache, lengths: dict[int, int]):
+    """The cache with row b's length set to lengths[b] (prefill appends there; a step passes its own starts)."""
+    new = np.asarray(cache.length).copy()
+    for b, n in lengths.items():
+        new[b] = n
+    return truncate(cache, new)
