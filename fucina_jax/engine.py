@@ -46,6 +46,7 @@ __all__ = [
     "prefill",
     "prepare_prefill",
     "prefill_step",
+    "prefill_row_step",
     "decode_step",
     "verify_step",
     "sample_step",
@@ -107,6 +108,20 @@ def verify_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     return unembed(params, h, cfg), cache
 
 
+@aot.jit(static_argnames=("cfg",), donate_argnames=("cache",))
+def prefill_row_step(params, tokens: jax.Array, n_valid: jax.Array, row: jax.Array, cache: KVCache, cfg: ModelConfig):
+    """prefill_step for one row of a batched cache: tokens [1, T] go into row `row` (int32 []) alone. The row's
+    slots are cut out, prefilled as a batch of one and put back, so a request joining a running batch costs its
+    own prefill (a copy of one row's slots) instead of one for every row."""
+    one = KVCache(k=tuple(jax.lax.dynamic_slice_in_dim(x, row, 1) for x in cache.k),
+                  v=tuple(jax.lax.dynamic_slice_in_dim(x, row, 1) for x in cache.v),
+                  length=jax.lax.dynamic_slice_in_dim(cache.length, row, 1))
+    logits, one = prefill_step.__wrapped__(params, tokens, n_valid, one, cfg)
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), row, 0)
+    return logits, KVCache(k=tuple(map(put, cache.k, one.k)), v=tuple(map(put, cache.v, one.v)),
+                           length=put(cache.length, one.length))
+
+
 def _chunks(prompts: Sequence[np.ndarray | None]):
     """The prefill chunks of one prompt per row: (start, tokens [B, T], n_valid [B]) per chunk of the largest
     bucket, the last padded to the smallest bucket that holds it; a row with no ids left rides along (n_valid 0)."""
@@ -127,6 +142,13 @@ def prefill(params, cfg: ModelConfig, prompts: Sequence[np.ndarray | None], cach
     row's last id, cache)."""
     lens = np.array([0 if p is None else len(p) for p in prompts], np.int32)
     prompted = lens > 0
+    if len(prompts) > 1 and prompted.sum() == 1:  # one row of a batch: prefilled alone, into its slots
+        b = int(np.flatnonzero(prompted)[0])
+        row = np.asarray(b, np.int32)
+        logits = None
+        for _, toks, n_valid in _chunks([prompts[b]]):
+            logits, cache = prefill_row_step(params, toks, n_valid, row, cache, cfg)
+        return jnp.broadcast_to(logits, (len(prompts), logits.shape[-1])), cache
     final = None
     for s, toks, n_valid in _chunks(prompts):
         logits, cache = prefill_step(params, toks, n_valid, cache, cfg)
@@ -140,11 +162,16 @@ def prefill(params, cfg: ModelConfig, prompts: Sequence[np.ndarray | None], cach
 def prepare_prefill(params, cfg: ModelConfig, prompts: Sequence[np.ndarray | None], cache: KVCache) -> None:
     """Bring in (load or compile) the programs prefill(params, cfg, prompts, cache) will run, without running them
     (aot.Step.prepare): a timer can then tell the prefill's own rate from its programs' loading."""
+    prompted = [b for b, p in enumerate(prompts) if p is not None and len(p)]
+    one = len(prompts) > 1 and len(prompted) == 1
     shapes = {}
-    for _, toks, n_valid in _chunks(prompts):
+    for _, toks, n_valid in _chunks([prompts[prompted[0]]] if one else prompts):
         shapes.setdefault(toks.shape, (toks, n_valid))
     for toks, n_valid in shapes.values():
-        prefill_step.prepare(params, toks, n_valid, cache, cfg)
+        if one:
+            prefill_row_step.prepare(params, toks, n_valid, np.asarray(prompted[0], np.int32), cache, cfg)
+        else:
+            prefill_step.prepare(params, toks, n_valid, cache, cfg)
 
 
 # ---- the decoder's fused steps ------------------------------------------------------------------------------------

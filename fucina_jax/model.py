@@ -16,14 +16,17 @@ import numpy as np
 
 from fucina_jax import engine
 from fucina_jax.checks import is_int
-from fucina_jax.errors import ContextFullError, FucinaError
+from fucina_jax.errors import ContextFullError, FucinaError, MissingTensorError
 from fucina_jax.generate import generate, generate_speculative
 from fucina_jax.gguf_io import GGUFFile, open_gguf
+from fucina_jax.kernels import KERNEL_WEIGHTS
 from fucina_jax.models import architecture, init_cache, truncate
 from fucina_jax.models.cache import CACHE_DTYPES, KVCache
 from fucina_jax.models.config import ModelConfig
+from fucina_jax.models.layers import fuse_projections
 from fucina_jax.models.loading import load_params
 from fucina_jax.sampling import SamplerConfig
+from fucina_jax.tokenizer import Tokenizer
 
 __all__ = ["Model", "load", "default_model_path", "enable_compilation_cache"]
 
@@ -32,8 +35,6 @@ DEFAULT_CTX = 4096
 
 def any_packed(params) -> bool:
     """True when some weight of the pytree is a kernel weight, QWeight or FWeight (the kernels' path)."""
-    from fucina_jax.kernels import KERNEL_WEIGHTS
-
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, KERNEL_WEIGHTS))
     return any(isinstance(x, KERNEL_WEIGHTS) for x in leaves)
 
@@ -97,8 +98,6 @@ def default_model_path() -> str:
 
 def _n_vocab(gf: GGUFFile) -> int:
     if "token_embd.weight" not in gf.tensors:
-        from fucina_jax.errors import MissingTensorError
-
         raise MissingTensorError(f"tensor 'token_embd.weight' is missing from {gf.path!r}; every model needs it")
     return gf.tensor_shape("token_embd.weight")[0]
 
@@ -116,8 +115,6 @@ class Model:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from fucina_jax.tokenizer import Tokenizer
-
             self._tokenizer = Tokenizer.from_metadata(self.metadata)
         return self._tokenizer
 
@@ -274,7 +271,6 @@ def load(path: str | os.PathLike | None = None, *, progress: bool = False, f32: 
             bar.update(1)
 
     enable_compilation_cache()
-    from fucina_jax.models.layers import fuse_projections
 
     def fuse(l, p):  # on the host, before placing: each tensor reaches the device once (f32 layers: no-op)
         return fuse_projections(p, cfg.layers[l].writes_kv)

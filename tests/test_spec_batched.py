@@ -23,7 +23,7 @@ from fucina_jax.errors import DraftSourceError
 from fucina_jax.generate import generate
 from fucina_jax.index import SpeculationIndex
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.decoder import Decoder
+from fucina_jax.decoder import Decoder, Request
 from fucina_jax.generate import generate_batched
 from fucina_jax.speculative import SpecOptions
 
@@ -237,3 +237,39 @@ def test_bad_input(arch):
     with pytest.raises(DraftSourceError, match="row 1 proposed token id"):
         generate_batched(m, [[1, 2], [3, 4, 5]], max_tokens=5, sampler=GREEDY, ctx=CTX, stop_ids=(),
                          sources=[None, bad], options=OPTIONS, clock=False)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_rows_joining_and_leaving_a_running_batch_equal_each_alone(arch, mode):
+    """Continuous batching on the one decoder: requests join free rows between steps (each prefilled alone into
+    its slots while the others are mid-stream), finished rows are released and their slots reused; every request
+    still gets exactly its plain stream."""
+    order = [0, 3, 7, 1, 4, 5, 6, 2]  # eight requests through a decoder of three rows
+    prompts, maxes, samps, stops, sources, expected = arch.case(order, mode)
+    dec = Decoder(arch.model, 3, ctx=CTX, options=OPTIONS)
+    got = {i: [] for i in range(len(order))}
+    slot_of = {}  # row -> request index
+    waiting = list(range(len(order)))
+    joined_mid_stream = 0
+    while waiting or dec.active:
+        free = [b for b in range(3) if b not in slot_of]
+        if waiting and free and (not dec.active or len(got[0]) % 2 == 0):
+            b, i = free[0], waiting.pop(0)
+            joined_mid_stream += dec.active
+            reqs = [None] * 3
+            reqs[b] = Request(tuple(prompts[i]), maxes[i], samps[i].validate(), frozenset(stops[i]), sources[i])
+            slot_of[b] = i
+            outcomes = dec.first(dec.begin(reqs))
+        else:
+            outcomes = dec.step()
+        for b, o in enumerate(outcomes):
+            if o is not None:
+                got[slot_of[b]] += o.committed
+        for b in list(slot_of):
+            if not dec.rows[b].active:
+                assert dec.rows[b].finish == expected[slot_of[b]].stop_reason
+                dec.release(b)
+                del slot_of[b]
+    assert joined_mid_stream >= 3
+    for i, want in enumerate(expected):
+        assert got[i] == want.tokens, f"request {i} (row kind {ROWS[order[i]][2]})"
