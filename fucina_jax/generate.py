@@ -152,7 +152,7 @@ def _drive(decoder: Decoder, requests: Sequence[Request], speculative: bool = Tr
             prompt_ids=list(req.prompt), tokens=tokens, text=tokenizer.decode(tokens),
             stop_reason=row.finish if row is not None else "max_tokens",
             prompt_seconds=timer.seconds.get("prompt", 0.0), decode_seconds=float(decode_s[b]),
-            compile_seconds=timer.seconds.get("load", 0.0) + timer.compile.get("prompt", 0.0) + float(compile_s[b]),
+            compile_seconds=timer.compile.get("load", 0.0) + timer.compile.get("prompt", 0.0) + float(compile_s[b]),
             seed=req.sampler.seed,
             spec=decoder.spec_stats(b) if row is not None and speculative else None,
             _compile_split={"prompt": timer.compile.get("prompt", 0.0), "decode": float(compile_s[b])},
