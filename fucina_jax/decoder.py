@@ -293,6 +293,9 @@ class Decoder:
         self._window = 0  # the history window: the longest any row needs (each row cuts it to its own)
         self._buf = np.zeros(MAX_DRAFT, np.int32)  # sources draft into this
         self._fresh = [False] * self.B  # rows begun whose first token first() has not sampled yet
+        # the row whose draft source raised in the last step() (None: none did); with a source failing in
+        # suggest() nothing of the step ran, in observe() every row's commit stands
+        self.failed_row: int | None = None
 
     # ---- starting rows ------------------------------------------------------------------------------------
 
@@ -357,6 +360,13 @@ class Decoder:
             row.n = max(int(n), 0)
             self._rows_changed()
 
+    def stop(self, b: int, reason: str) -> None:
+        """End row b's decoding from outside (a stop string in its text, a client gone): it takes no further step;
+        its stream and cache stay, so a later begin(..., keep=...) can reuse them."""
+        row = self.rows[b]
+        if row is not None and row.finish is None:
+            row.finish = reason
+
     def release(self, b: int) -> None:
         """Free row b (its slot in the cache rides along, unread, until a request takes it)."""
         self.rows[b] = None
@@ -396,6 +406,7 @@ class Decoder:
             raise RuntimeError("no row is active: every one has finished or been released")
         o = self.options
         gate = self.gate
+        self.failed_row = None
         # With a clock, the gate needs the plain step's time before it can price a verify: step plainly until one
         # plain step ran without compiling.
         calibrating = self.clock is not None and gate.plain_samples == 0
@@ -412,7 +423,9 @@ class Decoder:
             d = 0
             max_draft = min(budget, limit - 1)
             if speculate and row.source is not None and max_draft >= o.min_draft:
+                self.failed_row = b  # a source that raises fails the step before anything runs
                 d = self._suggest(b, row, max_draft)
+                self.failed_row = None
                 if d < o.min_draft:
                     d = 0
             if not o.enabled or not (speculate or calibrating):
@@ -465,8 +478,15 @@ class Decoder:
         self._price(width, active, out, step_ns)
         # streams, lengths and histories are settled: a source raising below leaves the decoder consistent
         topk_rows = np.asarray(topk) if topk is not None else None
-        for b in active:
-            self._observe(rows[b], out[b], None if topk_rows is None or b not in drafts else topk_rows[b])
+        failure = None
+        for b in active:  # every row's source is fed even when another's raises; the first error is raised after
+            try:
+                self._observe(rows[b], out[b], None if topk_rows is None or b not in drafts else topk_rows[b])
+            except Exception as e:
+                if failure is None:
+                    failure, self.failed_row = e, b
+        if failure is not None:
+            raise failure
         return out
 
     # ---- internals ----------------------------------------------------------------------------------------
