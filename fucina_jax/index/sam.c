@@ -12,7 +12,8 @@
  *   3. transition hash
  *   4. online extension: cursor-before-extend and the endpos sample discipline
  *   5. queries: internal cursor, drafts, external cursors over a frozen automaton
- *   6. CPython binding (module fucina_jax.index._sam)
+ *   6. occurrence counts: frequency-ranked drafts over a frozen automaton of many documents
+ *   7. CPython binding (module fucina_jax.index._sam)
  *
  * Self-match exclusion, the subtle part. A plain SAM matches the stream against itself, so the longest
  * suffix "match" would always be the whole stream. Two mechanisms make the answer exact:
@@ -99,6 +100,10 @@ typedef struct {
     int32_t refresh_pos;   /* end index the refresh writes, tokens */
     int frozen;            /* 1 after freeze(): no more appends, external cursors allowed */
     int poisoned;          /* 1 after a failed append: every query answers "no match" */
+    /* occurrence counts (section 6), NULL unless freeze_counted() computed them; each [n_states] */
+    int32_t *occ;        /* |endpos| of the state: occurrences of each of its strings */
+    int32_t *last_end;   /* largest end index of those occurrences (the most recent one) */
+    int32_t *best;       /* label of the most frequent continuation (ties: most recent); -1 if none */
 } Sam;
 
 /* An external cursor over a frozen automaton: the longest suffix of the cursor's own token stream that
@@ -210,12 +215,15 @@ static void free_sam(Sam *s) {
     free(s->edge_next);
     free(s->edge_token);
     free(s->hash);
+    free(s->occ);
+    free(s->last_end);
+    free(s->best);
     memset(s, 0, sizeof(*s));
 }
 
 /* Bytes of heap the automaton holds (capacities, not just the used part). */
 static int64_t sam_nbytes(const Sam *s) {
-    int64_t per_state = s->first_edge ? 16 : 12; /* freeze() releases first_edge */
+    int64_t per_state = (s->first_edge ? 16 : 12) + (s->occ ? 12 : 0); /* freeze() releases first_edge */
     return s->cap_tokens * 4 + s->cap_states * per_state + s->cap_edges * 8 + s->hash_cap * 12;
 }
 
@@ -501,7 +509,126 @@ static int64_t sam_cursor_draft(const Sam *s, const SamCursor *c, int32_t *buf, 
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * 6. CPython binding
+ * 6. occurrence counts
+ *
+ * An automaton over many documents (a process's past outputs, concatenated with separator tokens: labels
+ * >= label_bound) answers "what did the documents most often write after the matched string?". Every
+ * string of a state has the same endpos set, so |endpos| of a state counts the occurrences of each of its
+ * strings, and the transition (v, t) -> w leads, from every string x of v, to the state of x.t: the
+ * occurrences of x followed by t number exactly occ[w]. A frequency-ranked draft is then a walk that takes,
+ * at each state, the continuation with the largest occ (ties: the largest last_end, i.e. the most recent
+ * occurrence), precomputed per state so a drafted token costs one hash lookup.
+ *
+ * Computing them (freeze_counted, O(n)): the primary states are the states of the stream's prefixes, one
+ * per end index (their endpos own that index); walking the stream from the root along its solid edges
+ * reaches each in turn (a solid edge is never redirected by a later clone). Each state's endpos is its own
+ * index (primaries) plus the union over its suffix-link children, so occ and last_end are summed / maxed
+ * up the link tree in order of decreasing len (a counting sort). `best` is one pass over the hash slots.
+ * Memory: 12 B/state more; the counts survive freeze(), the edge pool does not (nothing needs it then).
+ * ------------------------------------------------------------------------------------------------- */
+
+/* Computes occ / last_end / best of a complete (not yet frozen, not poisoned) automaton. */
+static int sam_count(Sam *s, int32_t label_bound) {
+    int64_t ns = s->n_states, n = s->n_tokens;
+    s->occ = malloc((size_t)ns * sizeof(int32_t));
+    s->last_end = malloc((size_t)ns * sizeof(int32_t));
+    s->best = malloc((size_t)ns * sizeof(int32_t));
+    int32_t *order = malloc((size_t)ns * sizeof(int32_t));      /* states by decreasing len */
+    int32_t *bucket = calloc((size_t)n + 2, sizeof(int32_t));    /* counting sort by len, len <= n */
+    int32_t *best_w = malloc((size_t)ns * sizeof(int32_t));     /* target state of best[v] */
+    int rc = SAM_OK;
+    if (!s->occ || !s->last_end || !s->best || !order || !bucket || !best_w) {
+        rc = SAM_ERR_NOMEM;
+        goto done;
+    }
+    for (int64_t v = 0; v < ns; v++) {
+        s->occ[v] = 0;
+        s->last_end[v] = -1;
+        s->best[v] = -1;
+        best_w[v] = -1;
+    }
+    int32_t v = 0;
+    for (int64_t i = 0; i < n; i++) { /* the primary states, along the solid edges */
+        v = sam_go(s, v, s->tokens[i]);
+        if (v < 0) {
+            rc = SAM_ERR_BOUND;
+            goto done;
+        }
+        s->occ[v] = 1;
+        s->last_end[v] = (int32_t)i;
+    }
+    for (int64_t u = 0; u < ns; u++) bucket[s->len[u]]++;
+    for (int64_t l = n; l >= 0; l--) bucket[l] += bucket[l + 1]; /* bucket[l]: states with len >= l */
+    for (int64_t u = 0; u < ns; u++) order[--bucket[s->len[u]]] = (int32_t)u;
+    /* order[0 ..] is now by decreasing len (the root, len 0, last): children before their link */
+    for (int64_t k = 0; k < ns; k++) {
+        int32_t u = order[k], p = s->link[u];
+        if (p < 0) continue;
+        s->occ[p] += s->occ[u];
+        if (s->last_end[u] > s->last_end[p]) s->last_end[p] = s->last_end[u];
+    }
+    for (int64_t j = 0; j < s->hash_cap; j++) {
+        const uint32_t *slot = s->hash + 3 * j;
+        if (slot[0] == SAM_EMPTY || slot[1] >= (uint32_t)label_bound) continue;
+        int32_t src = (int32_t)slot[0], w = (int32_t)slot[2], b = best_w[src];
+        if (b < 0 || s->occ[w] > s->occ[b] || (s->occ[w] == s->occ[b] && s->last_end[w] > s->last_end[b])) {
+            best_w[src] = w;
+            s->best[src] = (int32_t)slot[1];
+        }
+    }
+done:
+    free(order);
+    free(bucket);
+    free(best_w);
+    if (rc != SAM_OK) {
+        free(s->occ);
+        free(s->last_end);
+        free(s->best);
+        s->occ = s->last_end = s->best = NULL;
+    }
+    return rc;
+}
+
+/* Occurrences of the cursor's matched string; 0 without a match or without counts. */
+static int64_t sam_cursor_match_count(const Sam *s, const SamCursor *c) {
+    return (s->poisoned || !s->occ || c->len == 0) ? 0 : s->occ[c->state];
+}
+
+/* The frequency-ranked draft from an external cursor: up to `limit` tokens, each the most frequent
+ * continuation of the matched string extended by the tokens drafted before it; counts[j] (when not NULL)
+ * receives the occurrences of that extension. The walk stops where the best continuation occurs fewer than
+ * min_count times or in less than min_prob of its parent's occurrences (the matched string's for j = 0). */
+static int64_t sam_cursor_draft_frequent(const Sam *s, const SamCursor *c, int32_t *buf, int32_t *counts,
+                                         int64_t limit, int64_t min_count, double min_prob) {
+    if (s->poisoned || !s->best || c->len == 0) return 0;
+    int32_t v = c->state;
+    int64_t parent = s->occ[v], j = 0;
+    for (; j < limit; j++) {
+        int32_t t = s->best[v];
+        if (t < 0) break;
+        int32_t w = sam_go(s, v, t);
+        int64_t o = s->occ[w];
+        if (o < min_count || (double)o < min_prob * (double)parent) break;
+        buf[j] = t;
+        if (counts) counts[j] = (int32_t)o;
+        parent = o;
+        v = w;
+    }
+    return j;
+}
+
+/* Cuts the cursor's match to its last max_len tokens: the state of that suffix is the one on the link
+ * path whose length range holds max_len. Capping after a walk equals capping after every token. */
+static void sam_cursor_cap(const Sam *s, SamCursor *c, int64_t max_len) {
+    if (c->len <= max_len) return;
+    int32_t v = c->state;
+    while (s->link[v] >= 0 && s->len[s->link[v]] >= max_len) v = s->link[v];
+    c->state = v;
+    c->len = (int32_t)max_len;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * 7. CPython binding
  * ------------------------------------------------------------------------------------------------- */
 
 static PyObject *DraftIndexError;    /* fucina_jax.errors.DraftIndexError */
@@ -790,6 +917,33 @@ static PyObject *Sam_freeze(SamObject *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Sam_freeze_counted(SamObject *self, PyObject *arg) {
+    if (check_built(self) < 0) return NULL;
+    long long bound = PyLong_AsLongLong(arg);
+    if (bound == -1 && PyErr_Occurred()) return NULL;
+    if (bound < 0 || bound > INT32_MAX) {
+        PyErr_Format(DraftIndexError, "label_bound must be in [0, %d]; got %lld", INT32_MAX, bound);
+        return NULL;
+    }
+    Sam *s = &self->sam;
+    if (s->frozen) {
+        PyErr_SetString(DraftIndexError, "freeze_counted() needs an automaton that is not frozen yet (counting "
+                                         "reads the edge pool freeze() releases)");
+        return NULL;
+    }
+    if (!s->poisoned) {
+        /* the deferred recency refresh is irrelevant here: the counts never read pos */
+        int rc = sam_count(s, (int32_t)bound);
+        if (rc == SAM_ERR_NOMEM) return PyErr_NoMemory();
+        if (rc != SAM_OK) {
+            s->poisoned = 1;
+            return raise_append_error(self, rc), NULL;
+        }
+    }
+    sam_freeze(s);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Sam_draft(SamObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_built(self) < 0) return NULL;
     if (nargs < 1 || nargs > 2) {
@@ -851,6 +1005,7 @@ SAM_GETTER(n_states, PyLong_FromLongLong(s->n_states))
 SAM_GETTER(n_transitions, PyLong_FromLongLong(s->n_edges))
 SAM_GETTER(nbytes, PyLong_FromLongLong(sam_nbytes(s)))
 SAM_GETTER(max_tokens, PyLong_FromLongLong(s->max_tokens))
+SAM_GETTER(counted, PyBool_FromLong(s->occ != NULL))
 
 static PyMethodDef Sam_methods[] = {
     {"append", (PyCFunction)Sam_append, METH_O,
@@ -861,6 +1016,9 @@ static PyMethodDef Sam_methods[] = {
      "raise DraftIndexError before anything is appended."},
     {"freeze", (PyCFunction)Sam_freeze, METH_NOARGS,
      "freeze(): stop growing and allow external cursors; releases the edge pool. Idempotent."},
+    {"freeze_counted", (PyCFunction)Sam_freeze_counted, METH_O,
+     "freeze_counted(label_bound): count every state's occurrences and its most frequent continuation "
+     "(labels >= label_bound are separators, never drafted), then freeze(). For Cursor.draft_frequent."},
     {"draft", (PyCFunction)(void (*)(void))Sam_draft, METH_FASTCALL,
      "draft(buf, limit=None) -> n: write the continuation of the sampled earlier occurrence of the matched "
      "suffix into buf[:n] (n = min(limit, len(buf)) with a match, 0 without). A continuation that reaches "
@@ -884,6 +1042,8 @@ static PyGetSetDef Sam_getset[] = {
     {"n_transitions", (getter)Sam_get_n_transitions, NULL, "Transitions (<= 3n).", NULL},
     {"nbytes", (getter)Sam_get_nbytes, NULL, "Heap bytes held (allocated capacity).", NULL},
     {"max_tokens", (getter)Sam_get_max_tokens, NULL, "Appends beyond this many tokens fail (and poison).", NULL},
+    {"counted", (getter)Sam_get_counted, NULL, "True after freeze_counted(): occurrence counts are available.",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -908,12 +1068,73 @@ static void Cursor_dealloc(CursorObject *self) {
     PyObject_Free(self);
 }
 
-static PyObject *Cursor_advance(CursorObject *self, PyObject *arg) {
+static PyObject *Cursor_advance(CursorObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "advance(tokens, max_len=None) takes 1 or 2 arguments");
+        return NULL;
+    }
+    long long max_len = -1;
+    if (nargs > 1 && args[1] != Py_None) {
+        max_len = PyLong_AsLongLong(args[1]);
+        if (max_len == -1 && PyErr_Occurred()) return NULL;
+        if (max_len < 0) {
+            PyErr_Format(DraftIndexError, "max_len must be >= 0; got %lld", max_len);
+            return NULL;
+        }
+    }
     TokenArg t;
-    if (token_arg_read(arg, &t) < 0) return NULL;
+    if (token_arg_read(args[0], &t) < 0) return NULL;
     sam_cursor_advance(&self->owner->sam, &self->cur, t.data, t.n);
     token_arg_release(&t);
+    if (max_len >= 0) sam_cursor_cap(&self->owner->sam, &self->cur, max_len);
     Py_RETURN_NONE;
+}
+
+/* An optional int32 output array for draft counts: NULL view->buf for None; its length must cover limit. */
+static int counts_buf_read(PyObject *obj, Py_buffer *view, int64_t limit) {
+    view->buf = NULL;
+    if (obj == NULL || obj == Py_None) return 0;
+    int ok = PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) == 0;
+    if (!ok) PyErr_Clear();
+    else if (view->ndim != 1 || int_format(view->format, view->itemsize) != -4 || view->shape[0] < limit) {
+        PyBuffer_Release(view);
+        ok = 0;
+    }
+    if (ok) return 0;
+    view->buf = NULL;
+    PyErr_SetString(DraftIndexError, "counts must be a writable, contiguous 1-D int32 array at least as long as "
+                                     "the draft buffer");
+    return -1;
+}
+
+static PyObject *Cursor_draft_frequent(CursorObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 4) {
+        PyErr_SetString(PyExc_TypeError, "draft_frequent(buf, counts=None, min_count=1, min_prob=0.0) takes 1 to 4 "
+                                         "arguments");
+        return NULL;
+    }
+    long long min_count = 1;
+    double min_prob = 0.0;
+    if (nargs > 2) {
+        min_count = PyLong_AsLongLong(args[2]);
+        if (min_count == -1 && PyErr_Occurred()) return NULL;
+    }
+    if (nargs > 3) {
+        min_prob = PyFloat_AsDouble(args[3]);
+        if (min_prob == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    Py_buffer view, cview;
+    int64_t limit;
+    if (draft_buf_read(args[0], NULL, &view, &limit) < 0) return NULL;
+    if (counts_buf_read(nargs > 1 ? args[1] : NULL, &cview, limit) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int64_t n = sam_cursor_draft_frequent(&self->owner->sam, &self->cur, view.buf, cview.buf, limit, min_count,
+                                          min_prob);
+    if (cview.buf) PyBuffer_Release(&cview);
+    PyBuffer_Release(&view);
+    return PyLong_FromLongLong(n);
 }
 
 static PyObject *Cursor_reset(CursorObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -942,14 +1163,24 @@ static PyObject *Cursor_get_match_pos(CursorObject *self, void *Py_UNUSED(closur
     return PyLong_FromLongLong(sam_cursor_match_pos(&self->owner->sam, &self->cur));
 }
 
+static PyObject *Cursor_get_match_count(CursorObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromLongLong(sam_cursor_match_count(&self->owner->sam, &self->cur));
+}
+
 static PyObject *Cursor_get_index(CursorObject *self, void *Py_UNUSED(closure)) {
     Py_INCREF(self->owner);
     return (PyObject *)self->owner;
 }
 
 static PyMethodDef Cursor_methods[] = {
-    {"advance", (PyCFunction)Cursor_advance, METH_O,
-     "advance(tokens): feed the cursor's own stream (1-D integer array or sequence of ints)."},
+    {"advance", (PyCFunction)(void (*)(void))Cursor_advance, METH_FASTCALL,
+     "advance(tokens, max_len=None): feed the cursor's own stream (1-D integer array or sequence of ints); "
+     "max_len keeps the match to at most that many trailing tokens (the same as capping after every token)."},
+    {"draft_frequent", (PyCFunction)(void (*)(void))Cursor_draft_frequent, METH_FASTCALL,
+     "draft_frequent(buf, counts=None, min_count=1, min_prob=0.0) -> n: over a freeze_counted() automaton, "
+     "the most frequent continuation of the match (ties: the most recent), token by token, into buf[:n]; "
+     "counts[j] = occurrences of the match extended through buf[j]. Stops below min_count occurrences or "
+     "below min_prob of the previous token's occurrences; 0 without a match or without counts."},
     {"reset", (PyCFunction)Cursor_reset, METH_NOARGS, "reset(): back to the root (no match)."},
     {"draft", (PyCFunction)(void (*)(void))Cursor_draft, METH_FASTCALL,
      "draft(buf, limit=None) -> n: the indexed stream after the sampled occurrence of the match, cut at the "
@@ -962,6 +1193,8 @@ static PyGetSetDef Cursor_getset[] = {
      "Length of the longest suffix of the cursor's stream that occurs in the index (tokens).", NULL},
     {"match_pos", (getter)Cursor_get_match_pos, NULL,
      "End index (in the indexed stream) of the sampled occurrence; -1 without a match.", NULL},
+    {"match_count", (getter)Cursor_get_match_count, NULL,
+     "Occurrences of the matched string in a freeze_counted() automaton; 0 without a match or counts.", NULL},
     {"index", (getter)Cursor_get_index, NULL, "The frozen SuffixAutomaton the cursor walks.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
