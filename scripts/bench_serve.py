@@ -82,9 +82,11 @@ def load_mix(name: str) -> list[dict]:
 
 class LlamaServer:
     def __init__(self, model: str, port: int, ctx: int, threads: int):
+        # --interrupt_requests False: its default cuts a running stream short when the next request arrives, and
+        # every request here must run to its end.
         cmd = [sys.executable, "-c", LLAMA_WRAPPER, "--model", model, "--host", HOST, "--port", str(port),
                "--n_ctx", str(ctx), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-               "--verbose", "False"]
+               "--verbose", "False", "--interrupt_requests", "False"]
         self.log = open(os.devnull, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://{HOST}:{port}"
@@ -188,6 +190,7 @@ def run_level(port: int, jobs: list[dict], concurrency: int, timeout: float) -> 
     tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in results
             if r["first"] is not None and r["tokens"] > 1 and r["last"] > r["first"]]
     return {"requests": len(results), "errors": errors, "tokens": tokens, "wall_s": wall,
+            "tokens_per_request": tokens / len(results) if results else 0.0,
             "tok_s": tokens / wall if wall > 0 else 0.0, "ttft_ms": pct_ms(ttft), "tpot_ms": pct_ms(tpot)}
 
 
@@ -271,7 +274,8 @@ def main(argv=None) -> int:
                     r.update(mix=mix_name, concurrency=c, system=system)
                     results.append(r)
                     print(f"  {mix_name:9s} c={c} {system:9s} {r['tok_s']:7.1f} tok/s  TTFT p50 "
-                          f"{r['ttft_ms']['p50']} ms  TPOT p50 {r['tpot_ms']['p50']} ms"
+                          f"{r['ttft_ms']['p50']} ms  TPOT p50 {r['tpot_ms']['p50']} ms  "
+                          f"{r['tokens_per_request']:.1f} tok/request"
                           + (f"  ERRORS {r['errors'][:2]}" if r["errors"] else ""), flush=True)
     finally:
         for s in servers.values():
@@ -287,14 +291,14 @@ def main(argv=None) -> int:
 def print_table(results, levels, mixes, systems) -> None:
     by = {(r["mix"], r["concurrency"], r["system"]): r for r in results}
     print()
-    print("| mix | c | system | agg tok/s | TTFT p50 / p95 ms | TPOT p50 / p95 ms |")
-    print("|---|---|---|---|---|---|")
+    print("| mix | c | system | agg tok/s | TTFT p50 / p95 ms | TPOT p50 / p95 ms | tok/request |")
+    print("|---|---|---|---|---|---|---|")
     for m in mixes:
         for c in levels:
             for s in systems:
                 r = by[(m, c, s)]
                 print(f"| {m} | {c} | {s} | {r['tok_s']:.1f} | {r['ttft_ms']['p50']} / {r['ttft_ms']['p95']} | "
-                      f"{r['tpot_ms']['p50']} / {r['tpot_ms']['p95']} |")
+                      f"{r['tpot_ms']['p50']} / {r['tpot_ms']['p95']} | {r['tokens_per_request']:.1f} |")
     pairs = [(a, b) for a, b in (("spec on", "spec off"), ("spec off", "llama.cpp"), ("spec on", "llama.cpp"))
              if a in systems and b in systems]
     if not pairs:

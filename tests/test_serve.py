@@ -578,6 +578,19 @@ def test_bad_flags_one_error_line_exit_2(argv, needle):
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr
 
 
+def test_port_in_use_fails_at_once_with_one_line():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind((HOST, 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "fucina_jax.serve", "--port", str(port)], capture_output=True,
+                           text=True, timeout=60)  # before the model loads
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and f"cannot listen on {HOST}:{port}" in lines[0], p.stderr
+
+
 def test_scripts_serve_help():
     import os
 

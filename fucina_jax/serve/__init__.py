@@ -1,5 +1,22 @@
 """An OpenAI-compatible HTTP server: `python -m fucina_jax.serve [MODEL.gguf]` (or scripts/serve.py).
 
+    python scripts/serve.py [MODEL.gguf] [--host 127.0.0.1] [--port 8080] [--ctx N] [--max-batch 8] [--spec]
+        [--queue 64] [--shutdown-timeout 30]
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="unused")
+    r = client.chat.completions.create(model="gemma-3-270m-q4_k_m.gguf", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=64, temperature=0, extra_body={"speculation": True})
+    print(r.choices[0].message.content, r.usage, r.fucina["speculation"])
+
+Endpoints: GET /health ({"status", "slots_total", "slots_free", "queued", ...}), GET /v1/models (one model, its id
+the file's base name), POST /v1/completions, POST /v1/chat/completions (the model's chat template), both with
+`stream: true` (server-sent events ending with `data: [DONE]`, `stream_options.include_usage`). Extension fields
+beside OpenAI's: `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `stop_token_ids`, `speculation` (true/false per
+request; --spec sets the default), `references` (documents for the draft index; they imply speculation),
+`return_token_ids`, `chat_template_kwargs`; every response carries `fucina: {"seed", "speculation": stats or null}`
+(and `token_ids` when asked). Defaults, ranges and errors: serve/protocol.py's docstring.
+
 Layout:
   backend.py   the interface the HTTP layer talks to (GenRequest, Ticket and its events, Backend), the shared
                TextAssembler (token ids -> text deltas with stop strings), and SerialBackend (one request at a time

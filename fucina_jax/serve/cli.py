@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     except CLIError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (FucinaError, FileNotFoundError, ValueError, OSError) as e:
+    except (FucinaError, FileNotFoundError, ValueError, OSError, RuntimeError) as e:  # load, bind, warm-up
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
