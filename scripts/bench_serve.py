@@ -8,8 +8,8 @@ server, on the same GGUF and thread count, in one run.
 
 Systems: `spec off` and `spec on` are one fucina_jax server (`python -m fucina_jax.serve`), the request's
 `speculation` field choosing; `llama.cpp` is `python -m llama_cpp.server --model F --n_threads T --n_threads_batch T`
-(needs `pip install "llama-cpp-python[server]"`, the [bench] extra), started through a wrapper that turns llama.cpp's
-extra buffer types off on a build with the AMX backend, as fucina_jax.testing.open_llama_cpp does (its AMX matmul
+(needs `pip install "llama-cpp-python[server]"`, the [bench] extra), started through a wrapper that opens its model with
+fucina_jax.testing.open_llama_cpp (llama.cpp's extra buffer types off on a build with the AMX backend, whose matmul
 segfaults on some machines). XLA uses every core; T (--threads) defaults to the core count.
 
 Mixes (bench/tasks/tasks.json, continuation prompts for a base model, POST /v1/completions, streamed):
@@ -51,18 +51,22 @@ SYSTEMS = ("spec off", "spec on", "llama.cpp")
 SAMPLED = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
 SEED = 1234
 
-# llama_cpp.server, with llama.cpp's extra buffer types (AMX, CPU_REPACK) off where the build has the AMX backend.
+# llama_cpp.server, with its model opened by fucina_jax.testing.open_llama_cpp (extra buffer types off where the build
+# has the AMX backend): llama_cpp.server.model calls `llama_cpp.Llama(model_path=..., ...)` through its module
+# global, which a module delegating everything else to llama_cpp replaces.
 LLAMA_WRAPPER = """
-import runpy, sys
-import llama_cpp.llama as module
-from fucina_jax.testing.llama_cpp import amx_build
-if amx_build():
-    default = module.llama_cpp.llama_model_default_params
-    def without_extra_buffers():
-        params = default()
-        params.use_extra_bufts = False
-        return params
-    module.llama_cpp.llama_model_default_params = without_extra_buffers
+import runpy, sys, types
+import llama_cpp
+import llama_cpp.server.model as model
+from fucina_jax.testing import open_llama_cpp
+
+class LlamaCpp(types.ModuleType):
+    def __getattr__(self, name):
+        return getattr(llama_cpp, name)
+
+shim = LlamaCpp("llama_cpp")
+shim.Llama = lambda model_path, **kw: open_llama_cpp(model_path, **kw)
+model.llama_cpp = shim
 sys.argv = ["llama_cpp.server", *sys.argv[1:]]
 runpy.run_module("llama_cpp.server", run_name="__main__")
 """

@@ -27,11 +27,8 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 def _port(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--port must be an integer, got {s!r}") from None
-    if not 0 <= v <= 65535:
+    v = _nonneg_int("--port")(s)
+    if v > 65535:
         raise argparse.ArgumentTypeError(f"--port must be in [0, 65535] (0: any free port), got {v}")
     return v
 
