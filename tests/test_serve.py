@@ -34,6 +34,7 @@ from fucina_jax.serve.testing import (  # noqa: E402
     request,
     sse_events,
     stream_and_hang_up,
+    wait_health,
     wait_idle,
 )
 
@@ -65,6 +66,12 @@ def client(server):
 
 def _ids(model, text):
     return model.tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+def _until(url: str, cond, timeout: float = 20.0) -> dict:
+    h = wait_health(url, cond, timeout)
+    assert cond(h), f"/health never satisfied the condition: {h}"
+    return h
 
 
 # ---- endpoints and equivalence ---------------------------------------------------------------------------------
@@ -377,9 +384,7 @@ def test_sigterm_finishes_the_in_flight_request_and_exits_0(tiny_path, tiny):
 
     t = threading.Thread(target=ask)
     t.start()
-    deadline = time.monotonic() + 10
-    while get_json(s.url + "/health")[1]["slots_free"] and time.monotonic() < deadline:
-        time.sleep(0.005)
+    _until(s.url, lambda h: h["slots_free"] == 0)
     t_term = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
     rc = s.proc.wait(30)
@@ -527,12 +532,10 @@ def test_full_queue_is_503_with_retry_after_and_disconnects_free_the_slot(script
     results = {}
     t1 = threading.Thread(target=lambda: results.setdefault("a", request(url + "/v1/completions", hold)))
     t1.start()
-    while get_json(url + "/health")[1]["slots_free"]:
-        time.sleep(0.01)
+    _until(url, lambda h: h["slots_free"] == 0)
     t2 = threading.Thread(target=lambda: results.setdefault("b", request(url + "/v1/completions", hold)))
     t2.start()
-    while get_json(url + "/health")[1]["queued"] < 1:
-        time.sleep(0.01)
+    _until(url, lambda h: h["queued"] == 1)
     status, headers, raw = request(url + "/v1/completions", {"prompt": "x", "max_tokens": 2})  # queue of 1: full
     assert status == 503 and int(headers["retry-after"]) >= 1
     assert json.loads(raw)["error"]["code"] == "server_overloaded"
@@ -552,9 +555,7 @@ def test_full_queue_is_503_with_retry_after_and_disconnects_free_the_slot(script
     with socket.create_connection((HOST, port)) as s:
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        deadline = time.monotonic() + 10
-        while get_json(url + "/health")[1]["slots_free"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(url, lambda h: h["slots_free"] == 0)
     h = wait_idle(url)
     assert h["slots_free"] == 1 and h["cancelled"] == before["cancelled"] + 2
     backend.release.set()

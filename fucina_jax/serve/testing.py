@@ -17,7 +17,8 @@ import time
 import urllib.error
 import urllib.request
 
-__all__ = ["LiveServer", "InProcessServer", "request", "get_json", "sse_events", "stream_and_hang_up", "wait_idle",
+__all__ = ["LiveServer", "InProcessServer", "request", "get_json", "sse_events", "stream_and_hang_up", "wait_health",
+           "wait_idle",
            "reference", "chat_ids_and_stops", "HOST"]
 
 HOST = "127.0.0.1"
@@ -146,14 +147,19 @@ def stream_and_hang_up(port: int, path: str, body: dict, n_events: int, timeout:
     return got
 
 
-def wait_idle(url: str, timeout: float = 20.0) -> dict:
-    """/health once every slot is free and nothing is queued (or the last answer at the timeout)."""
+def wait_health(url: str, cond, timeout: float = 20.0) -> dict:
+    """Poll /health until cond(health) holds; returns that health (or the last one, at the timeout)."""
     deadline = time.monotonic() + timeout
     while True:
         _, h = get_json(url + "/health")
-        if h["slots_free"] == h["slots_total"] and h["queued"] == 0 or time.monotonic() > deadline:
+        if cond(h) or time.monotonic() > deadline:
             return h
-        time.sleep(0.05)
+        time.sleep(0.005)
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict:
+    """/health once every slot is free and nothing is queued (or the last answer at the timeout)."""
+    return wait_health(url, lambda h: h["slots_free"] == h["slots_total"] and h["queued"] == 0, timeout)
 
 
 def reference(model, prompt_ids, max_tokens: int, *, stop_ids=None, speculation=False, references=(), **sampling):
