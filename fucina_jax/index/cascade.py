@@ -1,4 +1,4 @@
-"""The cascade draft source: conversation SAM -> frozen reference SAMs -> Token-Recycling fallback.
+"""The cascade draft source: conversation SAM -> frozen reference SAMs -> past outputs -> Token-Recycling fallback.
 
 `SpeculationIndex` composes the package's draft sources behind one `DraftSource`:
 
@@ -6,12 +6,19 @@
      `observe`;
   2. references: up to 8 frozen suffix automata over caller-tokenized documents (`add_reference`), each
      walked by this conversation's own cursor;
-  3. recycling: the top-1 chain of the Token-Recycling matrix, capped at 8 tokens.
+  3. outputs (when an `OutputIndex` is given): the most frequent continuation in the process's past outputs
+     (`outputs.py`), walked by this conversation's own matcher; `finish_output()` adds this conversation's
+     output to it;
+  4. recycling: the top-1 chain of the Token-Recycling matrix, capped at 8 tokens (a private matrix, or one
+     shared by the process's conversations: `recycling_matrix=`).
 
 Selection: the longest match among the unmuted index sources wins (ties: conversation, then the
-first-added reference: recency in the live stream beats a static document); its budget is
-beta * (1 + match_len) tokens, capped by the caller's buffer. Matches shorter than `min_match` fall through
-to recycling; an unseen recycling row drafts 0 and the decoder does a plain step.
+first-added reference, then the outputs: recency in the live stream beats a static document, and a document
+the caller chose beats what other requests happened to produce); its budget is beta * (1 + match_len)
+tokens, capped by the caller's buffer (the outputs' draft also stops where a continuation occurred fewer
+than `outputs_min_count` times or in less than `outputs_min_prob` of its prefix's occurrences). Matches
+shorter than `min_match` fall through to recycling; an unseen recycling row drafts 0 and the decoder does a
+plain step.
 
 Per-source muting (the source-selection gate; the decoder's cost gate owns the global economics): each
 source keeps a rolling window over its last 64 drafted tokens; when a full window is below 20% accepted
@@ -29,6 +36,7 @@ import dataclasses
 import numpy as np
 
 from fucina_jax.errors import DraftIndexError, IndexPoisonedError
+from fucina_jax.index.outputs import OutputIndex
 from fucina_jax.index.recycling import RecyclingMatrix
 from fucina_jax.index.sam import SuffixAutomaton
 
@@ -46,12 +54,17 @@ class CascadePolicy:
     mute_below: float = 0.2  # a full window under this acceptance rate mutes the source
     mute_tokens: int = 128  # committed tokens a muted source sits out before its re-probe
     max_references: int = 8  # reference documents per conversation
+    outputs_min_count: int = 1  # the outputs' draft stops at a continuation seen fewer times
+    # ... or in less than this share of its prefix's occurrences: in 72 recorded greedy SmolLM2 chat replies, a
+    # first draft token under a 0.3 share was right 6% of the time, far below what pays for a verify row
+    outputs_min_prob: float = 0.3
 
     def __post_init__(self) -> None:
-        if min(self.beta, self.min_match, self.mute_window, self.max_references) < 1 or self.recycling_cap < 0:
+        if min(self.beta, self.min_match, self.mute_window, self.max_references, self.outputs_min_count) < 1 or \
+                self.recycling_cap < 0:
             raise DraftIndexError(f"cascade policy values must be positive: {self}")
-        if not 0.0 <= self.mute_below <= 1.0 or self.mute_tokens < 0:
-            raise DraftIndexError(f"mute_below must be in [0, 1] and mute_tokens >= 0: {self}")
+        if not 0.0 <= self.mute_below <= 1.0 or self.mute_tokens < 0 or not 0.0 <= self.outputs_min_prob <= 1.0:
+            raise DraftIndexError(f"mute_below and outputs_min_prob must be in [0, 1] and mute_tokens >= 0: {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +117,13 @@ class _Source:
 class SpeculationIndex:
     """The cascade as one `DraftSource` (see the module docstring for the policy).
 
-    SpeculationIndex(vocab_size, *, policy=CascadePolicy(), recycling=True, max_tokens=None):
-    `vocab_size` bounds token ids and sizes the recycling matrix; `recycling=False` drops the fallback
-    (and `wants_topk` becomes False); `max_tokens` caps the conversation index (past it the index is
-    poisoned and drafts nothing, the other sources keep working).
+    SpeculationIndex(vocab_size, *, policy=CascadePolicy(), recycling=True, max_tokens=None,
+    recycling_matrix=None, outputs=None): `vocab_size` bounds token ids and sizes the recycling matrix;
+    `recycling=False` drops the fallback (and `wants_topk` becomes False); `max_tokens` caps the conversation
+    index (past it the index is poisoned and drafts nothing, the other sources keep working).
+    `recycling_matrix` is a RecyclingMatrix to learn into and draft from instead of a fresh private one (shared
+    by a process's conversations, loaded by `IndexStore.load_recycling`); `outputs` is an OutputIndex of past
+    outputs (shared likewise) to draft from and to feed with `finish_output()`; None leaves that source out.
     """
 
     def __init__(
@@ -117,17 +133,32 @@ class SpeculationIndex:
         policy: CascadePolicy = CascadePolicy(),
         recycling: bool = True,
         max_tokens: int | None = None,
+        recycling_matrix: RecyclingMatrix | None = None,
+        outputs: OutputIndex | None = None,
     ) -> None:
         if vocab_size <= 0:
             raise DraftIndexError(f"vocab_size must be positive; got {vocab_size}")
         self.vocab_size = int(vocab_size)
         self.policy = policy
+        for what, shared in (("recycling_matrix", recycling_matrix), ("outputs", outputs)):
+            if shared is not None and shared.vocab_size != self.vocab_size:
+                raise DraftIndexError(f"{what} has a vocabulary of {shared.vocab_size} tokens, the index "
+                                      f"{self.vocab_size}: share state only between indexes of one model")
+        if recycling_matrix is not None and not recycling:
+            raise DraftIndexError("recycling=False and a recycling_matrix: pass one or the other")
         self._conversation = SuffixAutomaton(max_tokens=max_tokens)
         self._references: list[SuffixAutomaton] = []
         self._cursors = []  # one Cursor per reference, walked over this conversation's stream
-        self._recycling = RecyclingMatrix(self.vocab_size) if recycling else None
+        if recycling:
+            self._recycling = recycling_matrix if recycling_matrix is not None else RecyclingMatrix(self.vocab_size)
+        else:
+            self._recycling = None
+        self._outputs = outputs
+        self._matcher = outputs.matcher(self._tail) if outputs is not None else None
+        self._output_start = -1  # stream position where this conversation's output begins; -1: after the prompt
         self._src_conversation = _Source("conversation", policy.mute_window)
         self._src_references: list[_Source] = []
+        self._src_outputs = _Source("outputs", policy.mute_window)
         self._src_recycling = _Source("recycling", policy.mute_window)
         self._stream = np.zeros(1024, dtype=np.int32)  # [capacity] committed tokens; the first _n are live
         self._n = 0
@@ -158,10 +189,20 @@ class SpeculationIndex:
                 length = cursor.match_len
                 if length >= p.min_match:
                     candidates.append((length, order, cursor, src))
+        matcher = self._matcher
+        if matcher is not None and not self._src_outputs.muted:
+            length = matcher.match_len
+            if length >= p.min_match:
+                candidates.append((length, len(self._cursors) + 1, matcher, self._src_outputs))
         candidates.sort(key=lambda c: (-c[0], c[1]))  # longest first; ties keep conversation/add order
         for length, _, index, src in candidates:
-            # a reference match that ends its document has no continuation: try the next candidate
-            n = index.draft(buf, min(p.beta * (1 + length), limit))
+            # a reference match that ends its document has no continuation: try the next candidate (and the
+            # outputs' draft may stop at once on a weak continuation)
+            budget = min(p.beta * (1 + length), limit)
+            if index is matcher:
+                n = matcher.draft(buf, budget, min_count=p.outputs_min_count, min_prob=p.outputs_min_prob)
+            else:
+                n = index.draft(buf, budget)
             if n > 0:
                 self._pending = (src, buf[:n].copy())
                 return n
@@ -192,6 +233,10 @@ class SpeculationIndex:
                     pass  # degraded mode: the conversation index drafts nothing from now on
             for cursor in self._cursors:
                 cursor.advance(toks)
+            if self._matcher is not None:
+                self._matcher.observe(toks)
+            if self._output_start < 0:  # the first slice observed is the prompt
+                self._output_start = n_after
             if self._recycling is not None:
                 prev = int(self._stream[self._n - 1]) if self._n else -1
                 self._recycling.observe(prev, toks)
@@ -260,6 +305,28 @@ class SpeculationIndex:
         self._src_references.clear()
         self._pending = None
 
+    # ---- past outputs -------------------------------------------------------------------------------
+
+    def begin_output(self, start: int | None = None) -> None:
+        """Mark where this conversation's next output begins (default: now, the committed count). Without a mark
+        the output begins after the first observed slice (the prompt); a chat turn calls this once the user's
+        turn is observed, before the reply is decoded."""
+        n = self._n if start is None else int(start)
+        if not 0 <= n <= self._n:
+            raise DraftIndexError(f"an output cannot begin at {n}: the stream has {self._n} tokens")
+        self._output_start = n
+
+    def finish_output(self) -> int:
+        """Store the output since the mark (`begin_output`, or the end of the prompt) in the shared OutputIndex and
+        move the mark to the end; returns the tokens stored (0 without an OutputIndex or an empty output). Call it
+        when a request or a chat turn ends, after its last observe. This conversation's own matcher sees the new
+        output too (other conversations' matchers resynchronize at their next draft)."""
+        start = max(self._output_start, 0)
+        self._output_start = self._n
+        if self._outputs is None or start >= self._n:
+            return 0
+        return self._outputs.add_output(self._stream[start : self._n])
+
     def truncate_pending(self, keep: int = 0) -> None:
         """Limit the pending draft's accounting to its first `keep` tokens (0 drops it).
 
@@ -287,7 +354,7 @@ class SpeculationIndex:
         return self._stream[: self._n].copy()
 
     def stats(self) -> list[SourceStats]:
-        """Per-source totals, in cascade order: conversation, ref0.., recycling (when enabled)."""
+        """Per-source totals, in cascade order: conversation, ref0.., outputs, recycling (when enabled)."""
         out = []
         for src in self._sources():
             poisoned = src is self._src_conversation and self._conversation.poisoned
@@ -295,7 +362,7 @@ class SpeculationIndex:
         return out
 
     def summary(self) -> str:
-        """One line: `spec sources: conversation a/d ref0 a/d recycling a/d [muted]`."""
+        """One line: `spec sources: conversation a/d ref0 a/d outputs a/d recycling a/d [muted]`."""
         parts = []
         for s in self.stats():
             flags = (" [muted]" if s.muted else "") + (" [poisoned]" if s.poisoned else "")
@@ -304,14 +371,29 @@ class SpeculationIndex:
 
     @property
     def nbytes(self) -> int:
-        """Heap bytes of every index (SAMs, recycling matrix, the stream copy)."""
+        """Heap bytes of every index (SAMs, recycling matrix, output index, the stream copy); shared ones included."""
         total = self._conversation.nbytes + sum(s.nbytes for s in self._references) + self._stream.nbytes
+        total += self._outputs.nbytes if self._outputs is not None else 0
         return total + (self._recycling.nbytes if self._recycling is not None else 0)
+
+    @property
+    def recycling_matrix(self) -> RecyclingMatrix | None:
+        """The matrix this index learns into (to save it, or to share it with the next conversation)."""
+        return self._recycling
+
+    @property
+    def outputs(self) -> OutputIndex | None:
+        return self._outputs
 
     # ---- helpers ------------------------------------------------------------------------------------
 
+    def _tail(self, m: int) -> np.ndarray:
+        """The last m committed tokens (the output matcher re-walks them after the output index changes)."""
+        return self._stream[max(0, self._n - m) : self._n]
+
     def _sources(self) -> list[_Source]:
-        tail = [self._src_recycling] if self._recycling is not None else []
+        tail = [self._src_outputs] if self._outputs is not None else []
+        tail += [self._src_recycling] if self._recycling is not None else []
         return [self._src_conversation, *self._src_references, *tail]
 
     def _check_tokens(self, tokens, what: str) -> np.ndarray:
