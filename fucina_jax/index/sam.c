@@ -1103,30 +1103,30 @@ static int counts_buf_read(PyObject *obj, Py_buffer *view, int64_t limit) {
     if (ok) return 0;
     view->buf = NULL;
     PyErr_SetString(DraftIndexError, "counts must be a writable, contiguous 1-D int32 array at least as long as "
-                                     "the draft buffer");
+                                     "the draft (min(limit, len(buf)))");
     return -1;
 }
 
 static PyObject *Cursor_draft_frequent(CursorObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 4) {
-        PyErr_SetString(PyExc_TypeError, "draft_frequent(buf, counts=None, min_count=1, min_prob=0.0) takes 1 to 4 "
-                                         "arguments");
+    if (nargs < 1 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "draft_frequent(buf, limit=None, counts=None, min_count=1, min_prob=0.0) "
+                                         "takes 1 to 5 arguments");
         return NULL;
     }
     long long min_count = 1;
     double min_prob = 0.0;
-    if (nargs > 2) {
-        min_count = PyLong_AsLongLong(args[2]);
+    if (nargs > 3) {
+        min_count = PyLong_AsLongLong(args[3]);
         if (min_count == -1 && PyErr_Occurred()) return NULL;
     }
-    if (nargs > 3) {
-        min_prob = PyFloat_AsDouble(args[3]);
+    if (nargs > 4) {
+        min_prob = PyFloat_AsDouble(args[4]);
         if (min_prob == -1.0 && PyErr_Occurred()) return NULL;
     }
     Py_buffer view, cview;
     int64_t limit;
-    if (draft_buf_read(args[0], NULL, &view, &limit) < 0) return NULL;
-    if (counts_buf_read(nargs > 1 ? args[1] : NULL, &cview, limit) < 0) {
+    if (draft_buf_read(args[0], nargs > 1 ? args[1] : NULL, &view, &limit) < 0) return NULL;
+    if (counts_buf_read(nargs > 2 ? args[2] : NULL, &cview, limit) < 0) {
         PyBuffer_Release(&view);
         return NULL;
     }
@@ -1177,8 +1177,8 @@ static PyMethodDef Cursor_methods[] = {
      "advance(tokens, max_len=None): feed the cursor's own stream (1-D integer array or sequence of ints); "
      "max_len keeps the match to at most that many trailing tokens (the same as capping after every token)."},
     {"draft_frequent", (PyCFunction)(void (*)(void))Cursor_draft_frequent, METH_FASTCALL,
-     "draft_frequent(buf, counts=None, min_count=1, min_prob=0.0) -> n: over a freeze_counted() automaton, "
-     "the most frequent continuation of the match (ties: the most recent), token by token, into buf[:n]; "
+     "draft_frequent(buf, limit=None, counts=None, min_count=1, min_prob=0.0) -> n: over a freeze_counted() "
+     "automaton, the most frequent continuation of the match (ties: the most recent), into buf[:n], n <= limit; "
      "counts[j] = occurrences of the match extended through buf[j]. Stops below min_count occurrences or "
      "below min_prob of the previous token's occurrences; 0 without a match or without counts."},
     {"reset", (PyCFunction)Cursor_reset, METH_NOARGS, "reset(): back to the root (no match)."},
