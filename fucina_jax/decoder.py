@@ -50,6 +50,7 @@ from fucina_jax.errors import ContextFullError, DraftSourceError
 from fucina_jax.index.protocol import DraftSource
 from fucina_jax.models import truncate
 from fucina_jax.sampling import SamplerConfig
+from fucina_jax.speculative.economics import AcceptanceModel, choose_width
 from fucina_jax.speculative.gate import MAX_DRAFT, CostGate, SpecOptions
 
 __all__ = [
@@ -280,7 +281,9 @@ class Decoder:
         self.ctx = model.check_ctx(ctx)
         self.capacity = min(int(capacity or self.ctx), self.ctx)
         self.options = (options or SpecOptions()).validate()
-        self.gate = CostGate(self.options)
+        self.gate = CostGate(self.options)  # the cost model (both policies) and the "gate" policy's on/off state
+        self.acceptance = AcceptanceModel()  # the "economics" policy's evidence
+        self.widths: dict[int, int] = {}  # steps per chosen width ("economics")
         self.clock = clock
         self.on_verify_row = on_verify_row
         self.rows: list[Row | None] = [None] * self.B
@@ -410,10 +413,12 @@ class Decoder:
         # With a clock, the gate needs the plain step's time before it can price a verify: step plainly until one
         # plain step ran without compiling.
         calibrating = self.clock is not None and gate.plain_samples == 0
-        speculate = o.enabled and not calibrating and gate.allows()
+        economics = o.policy == "economics"
+        speculate = o.enabled and not calibrating and (economics or gate.allows())
         budget = o.max_draft
-        if speculate and o.adapt_budget:
+        if speculate and o.adapt_budget and not economics:
             budget = min(budget, gate.budget_cap(o.max_draft, o.min_draft))
+        min_draft = 1 if economics else o.min_draft  # the economics weigh every draft length themselves
         limits = {}
         drafts = {}
         for b in active:
@@ -422,18 +427,24 @@ class Decoder:
             limits[b] = limit = self._limit(row)
             d = 0
             max_draft = min(budget, limit - 1)
-            if speculate and row.source is not None and max_draft >= o.min_draft:
+            if speculate and row.source is not None and max_draft >= min_draft:
                 self.failed_row = b  # a source that raises fails the step before anything runs
                 d = self._suggest(b, row, max_draft)
                 self.failed_row = None
-                if d < o.min_draft:
+                if d < min_draft:
                     d = 0
-            if not o.enabled or not (speculate or calibrating):
-                row.stats.disabled_steps += 1
-            elif d == 0:
-                row.stats.fallback_steps += 1
             if d:
                 drafts[b] = self._buf[:d].copy()
+        keys = {}
+        if economics and drafts:
+            drafts, keys, shadow = self._weigh(active, drafts)
+        else:
+            shadow = {}
+        for b in active:
+            if not o.enabled or not (speculate or calibrating):
+                rows[b].stats.disabled_steps += 1
+            elif b not in drafts:
+                rows[b].stats.fallback_steps += 1
         width = engine.bucket_for(1 + max((len(x) for x in drafts.values()), default=0), engine.STEP_WIDTHS)
         toks = np.zeros((self.B, width), np.int32)  # padding rows hold token 0: computed, never looked at
         dr = np.full((self.B, width), -1, np.int32)
@@ -475,7 +486,17 @@ class Decoder:
             self._commit(rows[b], out[b])
             n_new[b] = len(out[b].committed)
         self._pushed, self._n_pushed = sampled_dev, n_new
-        self._price(width, active, out, step_ns)
+        if economics:
+            for b, key in keys.items():  # what the verified drafts earned; unverified ones, their first token
+                self.acceptance.record(key, out[b].drafted, out[b].accepted)
+            for b, (key, first) in shadow.items():
+                self.acceptance.record(key, 1, int(bool(out[b].committed) and out[b].committed[0] == first))
+            if width > 1 and step_ns is not None:
+                gate.note_step(width, self.B, step_ns)
+            elif width == 1 and step_ns is not None:
+                gate.note_plain_ns(step_ns)
+        else:
+            self._price(width, active, out, step_ns)
         # streams, lengths and histories are settled: a source raising below leaves the decoder consistent
         topk_rows = np.asarray(topk) if topk is not None else None
         failure = None
@@ -520,6 +541,26 @@ class Decoder:
         if topk_rows is not None and getattr(src, "wants_topk", False):
             # one row per committed id, in order (DraftSource.observe_topk); rejected rows are not passed
             src.observe_topk(topk_rows[: len(o.committed)])
+
+    def _weigh(self, active: list[int], drafts: dict):
+        """The "economics" policy: the step width with the best expected tokens per unit of measured time for these
+        drafts (speculative/economics.py). Returns (the drafts cut to it, each verified row's evidence key, and for
+        each row whose draft is not verified (key, its first token): the step still shows whether it was right)."""
+        keys = {}
+        chains = []
+        for b in active:
+            if b in drafts:
+                src = self.rows[b].source
+                keys[b] = src.evidence() if callable(getattr(src, "evidence", None)) else "draft"
+                chains.append(self.acceptance.chain(keys[b], len(drafts[b])))
+            else:
+                chains.append(np.zeros(0))
+        width, value = choose_width(chains, engine.STEP_WIDTHS, lambda w: self.gate.step_cost(w, self.B),
+                                    self.options.min_gain)
+        self.widths[width] = self.widths.get(width, 0) + 1
+        if width == 1:
+            return {}, {}, {b: (keys[b], int(x[0])) for b, x in drafts.items()}
+        return {b: x[: width - 1] for b, x in drafts.items()}, keys, {}
 
     def _price(self, width: int, active: list[int], out: list, step_ns) -> None:
         """Feed the step's outcome and cost to the gate: a plain step's time, or a verify's tokens and cost."""
@@ -598,7 +639,10 @@ class Decoder:
         st = row.stats
         out = dataclasses.asdict(st)
         out.update(tok_per_step=round(st.tok_per_step, 4), acceptance=round(st.acceptance, 4), summary=st.summary(),
-                   max_draft=self.options.max_draft, gate=self.gate.decisions())
+                   max_draft=self.options.max_draft, policy=self.options.policy, gate=self.gate.decisions())
+        if self.options.policy == "economics":
+            out["widths"] = {str(w): n for w, n in sorted(self.widths.items())}
+            out["evidence"] = self.acceptance.snapshot()
         if self.B > 1:
             out["batch"] = self.B
         src = row.source

@@ -70,7 +70,7 @@ def spec(path):
     rng = np.random.default_rng(2)
     phrase = [int(x) for x in rng.integers(0, 260, 5)]
     prompts = [phrase * 3, [int(x) for x in rng.integers(0, 260, 9)], phrase[:3] * 4 + [7], [11, 12, 13]]
-    always = SpecOptions(min_speedup=0.0, adapt_budget=False, max_draft=7)
+    always = SpecOptions(policy="gate", min_speedup=0.0, adapt_budget=False, max_draft=7)
     kw = {"max_tokens": 20, "ctx": 64, "stop_ids": ()}
     samplers = {"greedy": SamplerConfig(temperature=0.0, top_k=20, seed=0),
                 "sampled": SamplerConfig(temperature=0.9, top_k=20, repeat_penalty=1.1, seed=5)}

@@ -23,7 +23,7 @@ from fucina_jax.speculative import SpecOptions
 
 GREEDY = SamplerConfig(temperature=0, seed=1)
 MAX_TOKENS = 48
-ALWAYS = SpecOptions(min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft is verified
+ALWAYS = SpecOptions(policy="gate", min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft is verified
 CTX = 512  # a small cache keeps every step cheap
 # Turn 2 makes SmolLM2 repeat its first reply: the conversation index has something to draft from.
 TURNS = ["Repeat after me: I like green apples. I like red pears.", "Now say it again, word for word.",

@@ -304,7 +304,7 @@ def test_fitted_cache_gives_the_full_context_stream(quantized, monkeypatch, path
     ctx, prompt, n = 2048, IDS[:20] * 2, 40
     assert fitted_capacity(len(prompt) + n, ctx) == 256
     sampler = SamplerConfig(temperature=temperature, seed=7)
-    options = SpecOptions(min_speedup=0.0, adapt_budget=False)
+    options = SpecOptions(policy="gate", min_speedup=0.0, adapt_budget=False)
 
     def runs():
         plain = generate(model, prompt, max_tokens=n, sampler=sampler, ctx=ctx, stop_ids=()).run()
@@ -419,5 +419,5 @@ def test_f16_cache_keeps_rows_exact_and_tracks_f32(quantized, llama_ref):
     for sampler in (SamplerConfig(temperature=0.0, seed=0), SamplerConfig(temperature=0.9, seed=3)):
         plain = generate(fast16, prompt, max_tokens=40, sampler=sampler, stop_ids=()).run()
         spec = generate_speculative(fast16, prompt, max_tokens=40, sampler=sampler, stop_ids=(), clock=False,
-                                    options=SpecOptions(min_speedup=0.0, adapt_budget=False)).run()
+                                    options=SpecOptions(policy="gate", min_speedup=0.0, adapt_budget=False)).run()
         assert spec.tokens == plain.tokens and spec.spec["verify_steps"] > 0

@@ -18,7 +18,7 @@ from fucina_jax.serve.batching import MIN_REUSE, BatchingBackend
 from fucina_jax.speculative import SpecOptions
 
 CTX = 256
-ALWAYS = SpecOptions(max_draft=7, min_speedup=0.0, adapt_budget=False)  # every draft is verified
+ALWAYS = SpecOptions(policy="gate", max_draft=7, min_speedup=0.0, adapt_budget=False)  # every draft is verified
 
 
 @pytest.fixture(scope="module")

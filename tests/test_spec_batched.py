@@ -28,7 +28,7 @@ from fucina_jax.generate import generate_batched
 from fucina_jax.speculative import SpecOptions
 
 CTX = 128
-OPTIONS = SpecOptions(max_draft=7, min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft runs
+OPTIONS = SpecOptions(policy="gate", max_draft=7, min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft runs
 N_ROWS = 8
 # Row r: (prompt length, max_tokens, source kind, stop mid-run). The stop row's perfect source drafts past its stop.
 ROWS = [
@@ -215,7 +215,7 @@ def test_gate_trips_on_a_losing_batch_and_never_changes_the_stream(arch, clock):
     n_vocab = arch.model.config.n_vocab
     sources = [ScriptedSource(garbage(p + e.tokens, n_vocab)) for p, e in zip(prompts, expected)]
     results = generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops,
-                               sources=sources, options=SpecOptions(max_draft=7), clock=clock)
+                               sources=sources, options=SpecOptions(policy="gate", max_draft=7), clock=clock)
     for res, want in zip(results, expected):
         assert res.tokens == want.tokens
     s = max(results, key=lambda r: r.spec["steps"]).spec

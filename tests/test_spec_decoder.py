@@ -26,7 +26,7 @@ SAMPLED = SamplerConfig(
     temperature=0.8, top_k=20, repeat_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3, repeat_last_n=64,
     seed=1234,
 )
-ALWAYS = SpecOptions(min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft is verified
+ALWAYS = SpecOptions(policy="gate", min_speedup=0.0, adapt_budget=False)  # the gate never trips: every draft is verified
 PROMPTS = {
     "text": "hello world hello world, the quick brown fox",
     "digits": "0 1 2 3 0 1 2 3 0 1 2",
@@ -394,7 +394,8 @@ def test_gating_is_orthogonal(qwen3):
     bad = garbage(truth, qwen3.config.n_vocab)
     good = perfect(truth)
     src = ScriptedSource(lambda s, k: bad(s, k) if len(s) < len(prompt) + 40 else good(s, k))
-    opts = SpecOptions(reprobe_after=3, reprobe_max=8, probe_steps=2, rate_window=4, min_window_drafted=4)
+    opts = SpecOptions(policy="gate", reprobe_after=3, reprobe_max=8, probe_steps=2, rate_window=4,
+                       min_window_drafted=4)
     res = spec_run(qwen3, prompt, src, sampler=SAMPLED, max_tokens=110, options=opts)
     assert res.tokens == plain.tokens
     g = res.spec["gate"]
@@ -403,7 +404,8 @@ def test_gating_is_orthogonal(qwen3):
 
     # a pessimistic cost table: every verify loses, the gate keeps tripping and re-probing
     src = ScriptedSource(perfect(truth))
-    opts = SpecOptions(reprobe_after=2, reprobe_max=4, probe_steps=1, cost_table=(CostPoint(1, 100.0),))
+    opts = SpecOptions(policy="gate", reprobe_after=2, reprobe_max=4, probe_steps=1,
+                       cost_table=(CostPoint(1, 100.0),))
     res = spec_run(qwen3, prompt, src, sampler=SAMPLED, max_tokens=110, options=opts)
     assert res.tokens == plain.tokens
     g = res.spec["gate"]

@@ -26,7 +26,7 @@ SAMPLED = SamplerConfig(
     temperature=0.8, top_k=20, repeat_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, repeat_last_n=64,
     seed=42,
 )
-ALWAYS = SpecOptions(min_speedup=0.0, adapt_budget=False)
+ALWAYS = SpecOptions(policy="gate", min_speedup=0.0, adapt_budget=False)
 # (prompt, max_tokens): lists repeat themselves (the conversation index drafts), the story does not
 PROMPTS = {
     "days": (("The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday. "

@@ -62,6 +62,8 @@ DEFAULT_COST_TABLE: tuple[CostPoint, ...] = tuple(CostPoint(d, c) for d, c in re
 # The widest verify bucket (engine.VERIFY_BUCKETS[-1] = 16 rows) holds the carried token + 15 draft tokens.
 MAX_DRAFT = 15
 
+POLICIES = ("economics", "gate")
+
 
 _FIELD_TYPES = {"int": (is_int, "an int"), "float": (is_real, "a number"),
                 "bool": (lambda v: isinstance(v, bool), "a bool")}
@@ -82,7 +84,11 @@ class SpecOptions:
     reprobe_max: int = 1024  # cap of the re-probe wait
     probe_steps: int = 4  # verify steps one probe runs before deciding
     cost_table: tuple[CostPoint, ...] = DEFAULT_COST_TABLE
-    adapt_budget: bool = True  # cap the draft by the window's acceptance rate
+    adapt_budget: bool = True  # cap the draft by the window's acceptance rate ("gate" policy)
+    # "economics": every step picks its width from the drafts' evidence and the measured cost curve
+    # (speculative/economics.py); "gate": the design record's on/off gate with an acceptance-adaptive budget
+    policy: str = "economics"
+    min_gain: float = 0.02  # "economics": verify only when the best width's value beats a plain step by this
 
     @classmethod
     def up_to(cls, max_draft: int) -> SpecOptions:
@@ -96,6 +102,8 @@ class SpecOptions:
             check, what = _FIELD_TYPES.get(f.type, (None, ""))
             if check is not None and not check(getattr(self, f.name)):
                 raise SpecOptionsError(f"{f.name} = {getattr(self, f.name)!r} is invalid: it must be {what}")
+        if self.policy not in POLICIES:
+            raise SpecOptionsError(f"policy = {self.policy!r} is invalid: it must be one of {', '.join(POLICIES)}")
         if not isinstance(self.cost_table, (tuple, list)):
             raise SpecOptionsError(f"cost_table must be a tuple of CostPoint(draft_len, cost), got "
                                    f"{type(self.cost_table).__name__}")
@@ -134,7 +142,7 @@ class SpecOptions:
             )
         if self.min_window_drafted < 0:
             raise SpecOptionsError(f"min_window_drafted = {self.min_window_drafted} is invalid: it must be >= 0")
-        for name in ("min_speedup", "probe_margin"):
+        for name in ("min_speedup", "probe_margin", "min_gain"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise SpecOptionsError(f"{name} = {v!r} is invalid: it must be a finite number >= 0")
@@ -190,6 +198,7 @@ class CostGate:
         self.probes = 0  # re-probes started
         self.probes_passed = 0
         self.probes_failed = 0
+        self._batch_costs: dict[int, float] = {}  # width -> measured cost of a batch step, in plain batch steps
         self._window: collections.deque[_Entry] = collections.deque(maxlen=options.rate_window)
         self._reset_window()
 
@@ -234,6 +243,30 @@ class CostGate:
             scale = self.SCALE_ALPHA * sample + (1.0 - self.SCALE_ALPHA) * self.cost_scale
             self.cost_scale = min(max(scale, self.SCALE_MIN), self.SCALE_MAX)
         return max(self.cost_scale * base, 1.0)
+
+    def step_cost(self, width: int, rows: int = 1) -> float:
+        """The predicted cost of a step of `width` rows per batch row in plain steps of the same batch (1 for a
+        plain step): one row, the table times the live scale; several, the batch's own measured cost of that width
+        (an EWMA, like the scale) once one was timed, else the table."""
+        if width <= 1:
+            return 1.0
+        if rows > 1:
+            measured = self._batch_costs.get(width)
+            if measured is not None:
+                return measured
+        return max(self.cost_scale * table_cost(self.options.cost_table, width - 1), 1.0)
+
+    def note_step(self, width: int, rows: int, ns: float) -> None:
+        """A timed verify of `width` rows (per batch row) over `rows` batch rows: update the cost model ("economics"
+        policy; the plain step's own time goes to note_plain_ns)."""
+        if width <= 1 or self.plain_samples == 0 or self.plain_ns <= 0:
+            return
+        if rows == 1:
+            self.verify_cost(width - 1, ns)
+            return
+        sample = min(max(ns / self.plain_ns, 1.0), self.SCALE_MAX * table_cost(self.options.cost_table, width - 1))
+        old = self._batch_costs.get(width)
+        self._batch_costs[width] = sample if old is None else self.SCALE_ALPHA * sample + (1 - self.SCALE_ALPHA) * old
 
     def record_verify(self, committed: int, accepted: int, drafted: int, cost: float) -> None:
         """Add one verify's outcome to the window and run the decision."""

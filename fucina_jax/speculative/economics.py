@@ -1,0 +1,127 @@
+"""Per-step speculation economics: how wide each step verifies (1 = a plain step), never what it commits.
+
+A step that verifies a chain of d draft tokens runs w = bucket(d + 1) rows and costs C(w) plain steps of the same
+batch. With p_i the probability that draft token i is accepted given that tokens 1..i-1 were,
+
+    E[committed] = 1 + sum_{i <= d} prod_{j <= i} p_j        (the 1 is the correction or bonus token)
+
+and a step of width w over the active rows is worth sum_rows E_row(w) / (rows * C(w)) tokens per row per plain-step
+time; a plain step is worth 1. Each step picks the width with the highest value, and verifies only when that beats
+1 by `margin` (SpecOptions.min_gain): nothing else switches speculation on or off.
+
+p comes from evidence, counted per evidence key and draft depth (`AcceptanceModel`): the key is what the draft
+source says about its draft (`DraftSource.evidence()`, e.g. the cascade's "conversation:8" = the conversation
+automaton with a match of 8-15 tokens), so a long verbatim match verifies even right after a losing streak of weak
+matches: its key is not the one that lost. Counts start from a pessimistic prior (an unknown key is worth little) and
+are windowed (halved past `window` observations), so they follow the text. C(w) comes from the cost gate's model
+(CostGate.step_cost: the measured cost table times a live, clamped rescale for one row; the batch's own measured
+width costs for several).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+__all__ = ["AcceptanceModel", "DEPTH_BUCKETS", "expected_committed", "choose_width", "match_bucket"]
+
+# Draft depths 1..15 pooled into buckets (acceptance decays with depth; deep positions are rarer)
+DEPTH_BUCKETS = (1, 2, 3, 5, 9)  # bucket i holds depths [DEPTH_BUCKETS[i], DEPTH_BUCKETS[i + 1])
+_DEPTH_OF = np.array([0] + [max(i for i, lo in enumerate(DEPTH_BUCKETS) if d >= lo) for d in range(1, 16)])
+
+
+def match_bucket(n: int) -> int:
+    """A match length in log-spaced buckets: 0, 1, 2-3, 4-7, 8-15, 16-31, 32+ -> 0, 1, 2, 4, 8, 16, 32."""
+    return 0 if n <= 0 else min(1 << (int(n).bit_length() - 1), 32)
+
+
+class AcceptanceModel:
+    """Counts of (accepted, rejected) per (evidence key, depth bucket): p(key, depth) estimates the conditional
+    probability that a draft token at that depth is accepted given the ones before it were.
+
+    Each depth's estimate is shrunk toward the one above it: p_j = (a_j + s * p_{j-1}) / (a_j + r_j + s), with
+    p_0 = prior_mean for the first depth. So an unknown key starts pessimistic (prior_mean 0.25 pays only for the
+    cheapest verifies), and a depth that has not been verified yet is assumed as good as the depth before it, not
+    as bad as an unknown key: a source that keeps being right earns wider verifies. window: once a cell holds more
+    than this many observations its counts are halved, so old evidence fades."""
+
+    def __init__(self, prior_mean: float = 0.25, strength: float = 4.0, window: float = 64.0):
+        self.prior_mean = prior_mean
+        self.strength = strength
+        self.window = window
+        self._cells: dict[Hashable, np.ndarray] = {}  # key -> [len(DEPTH_BUCKETS), 2] (accepted, rejected)
+
+    def _cell(self, key: Hashable) -> np.ndarray:
+        c = self._cells.get(key)
+        if c is None:
+            c = self._cells[key] = np.zeros((len(DEPTH_BUCKETS), 2))
+        return c
+
+    def _p(self, key: Hashable) -> np.ndarray:
+        """The estimate per depth bucket."""
+        c = self._cell(key)
+        p = np.empty(len(DEPTH_BUCKETS))
+        above = self.prior_mean
+        for j, (a, r) in enumerate(c):
+            above = p[j] = (a + self.strength * above) / (a + r + self.strength)
+        return p
+
+    def chain(self, key: Hashable, d: int) -> np.ndarray:
+        """P(the first i draft tokens are all accepted) for i = 1..d (float64 [d])."""
+        if d <= 0:
+            return np.zeros(0)
+        return np.cumprod(self._p(key)[_DEPTH_OF[1 : d + 1]])
+
+    def record(self, key: Hashable, drafted: int, accepted: int) -> None:
+        """A verify offered `drafted` tokens of this key and the first `accepted` were committed: depths
+        1..accepted were accepted, depth accepted + 1 (if offered) was rejected, deeper ones were never tried."""
+        if drafted <= 0:
+            return
+        c = self._cell(key)
+        for depth in range(1, min(drafted, accepted + 1) + 1):
+            row = c[_DEPTH_OF[depth]]
+            row[0 if depth <= accepted else 1] += 1.0
+            if row.sum() > self.window:
+                row *= 0.5
+
+    def snapshot(self) -> dict:
+        """{key: [p per depth bucket]} (statistics)."""
+        return {str(k): [round(float(x), 3) for x in self._p(k)] for k in self._cells}
+
+
+def expected_committed(chain: np.ndarray, width: int) -> float:
+    """E[committed] of a step of `width` rows over a draft whose cumulative acceptance is `chain` (the draft is
+    cut to width - 1 tokens)."""
+    return 1.0 + float(chain[: max(0, width - 1)].sum())
+
+
+def choose_width(chains: Sequence[np.ndarray], widths: Sequence[int], cost, margin: float) -> tuple[int, float]:
+    """(the step width with the highest value, that value) over `widths` (1 = a plain step, value 1). chains: each
+    active row's cumulative acceptance of its draft (empty: no draft); cost(w): the step's cost in plain steps of the
+    same batch. A width wider than the longest draft + 1 buys nothing and is not considered; a verify is chosen only
+    when its value exceeds 1 + margin."""
+    rows = len(chains)
+    longest = max((len(c) for c in chains), default=0)
+    best, best_value = 1, 1.0
+    if rows == 0 or longest == 0:
+        return best, best_value
+    for w in widths:
+        if w <= 1 or w > _next_width(widths, longest + 1):
+            continue
+        c = cost(w)
+        if not math.isfinite(c) or c <= 0:
+            continue
+        value = sum(expected_committed(ch, w) for ch in chains) / (rows * c)
+        if value > best_value * (1.0 + 1e-9) and value > 1.0 + margin:
+            best, best_value = w, value
+    return best, best_value
+
+
+def _next_width(widths: Sequence[int], n: int) -> int:
+    """The smallest width >= n (the bucket a draft of n - 1 tokens runs in)."""
+    for w in widths:
+        if w >= n:
+            return w
+    return widths[-1]

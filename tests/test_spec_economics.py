@@ -1,0 +1,129 @@
+"""The per-step economics (speculative/economics.py) as pure functions, and the decoder under the "economics"
+policy: the stream is still plain decoding's, widths follow the evidence, and a step that verifies nothing is one
+compiled call like a plain step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from spec_helpers import ScriptedSource, garbage, perfect
+
+from fucina_jax import aot, engine
+from fucina_jax.decoder import Decoder, Request
+from fucina_jax.generate import generate, generate_speculative
+from fucina_jax.sampling import SamplerConfig
+from fucina_jax.speculative import CostPoint, SpecOptions
+from fucina_jax.speculative.economics import AcceptanceModel, choose_width, expected_committed, match_bucket
+
+CTX = 128
+GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)
+SAMPLED = SamplerConfig(temperature=0.8, top_k=20, repeat_penalty=1.3, repeat_last_n=64, seed=77)
+# a cost curve like this machine class's: C(2, 4, 8, 16) = 1.05, 1.14, 1.5, 2.5
+TABLE = (CostPoint(1, 1.05), CostPoint(3, 1.14), CostPoint(7, 1.5), CostPoint(15, 2.5))
+ECON = SpecOptions(cost_table=TABLE)
+
+
+def cost(w):
+    return {1: 1.0, 2: 1.05, 4: 1.14, 8: 1.5, 16: 2.5}[w]
+
+
+def test_acceptance_model_counts_conditional_acceptance_per_depth():
+    m = AcceptanceModel(prior_mean=0.25, strength=4.0, window=1e9)
+    np.testing.assert_allclose(m.chain("k", 2), [0.25, 0.0625])  # the prior alone, every depth
+    for _ in range(6):
+        m.record("k", drafted=4, accepted=1)  # depth 1 accepted, depth 2 rejected, 3-4 never tried
+    c = m.chain("k", 4)
+    p1 = (6 + 4 * 0.25) / (6 + 4)
+    p2 = (0 + 4 * p1) / (6 + 4)  # shrunk toward depth 1
+    np.testing.assert_allclose(c, np.cumprod([p1, p2, p2, p2]))  # depths 3-4: no evidence, as good as depth 2
+    for _ in range(20):
+        m.record("sure", drafted=2, accepted=2)
+    sure = m.chain("sure", 8)
+    assert sure[1] > 0.8 and sure[7] > 0.7  # untried depths inherit the tried ones' estimate
+    assert m.chain("other", 1)[0] == pytest.approx(0.25)  # keys are independent
+    windowed = AcceptanceModel(window=8.0)
+    for _ in range(100):
+        windowed.record("k", 1, 1)
+    for _ in range(8):
+        windowed.record("k", 1, 0)
+    assert windowed.chain("k", 1)[0] < 0.6  # old evidence fades: the recent rejections weigh
+    assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 1000)] == [0, 1, 2, 2, 4, 4, 8, 16, 32, 32]
+
+
+def test_choose_width_maximises_expected_tokens_per_cost():
+    widths = engine.STEP_WIDTHS
+    sure = np.cumprod(np.full(15, 0.99))
+    weak = np.cumprod(np.full(15, 0.05))
+    w, v = choose_width([sure], widths, cost, 0.02)
+    assert w == 16 and v == pytest.approx(expected_committed(sure, 16) / 2.5)
+    assert choose_width([weak], widths, cost, 0.02) == (1, 1.0)  # nothing pays: a plain step
+    # p1 = 0.3 and nothing after: 1.3 / 1.05 beats every wider width
+    assert choose_width([np.array([0.3, 0.03, 0.003])], widths, cost, 0.02)[0] == 2
+    # a 3-token draft never buys a 16-row step; an empty draft counts as a plain row
+    assert choose_width([sure[:3]], widths, cost, 0.02)[0] == 4
+    w, v = choose_width([sure[:3], np.zeros(0)], widths, cost, 0.02)
+    assert w == 4 and v == pytest.approx((expected_committed(sure[:3], 4) + 1) / (2 * 1.14))
+    assert choose_width([np.array([0.06])], widths, cost, 0.02)[0] == 1  # 1.06 / 1.05 is within the margin
+
+
+@pytest.fixture(scope="module")
+def qwen3(fixture_path, load_model):
+    return load_model(fixture_path("qwen3"))
+
+
+def prompt_of(model):
+    return model.tokenizer.encode("0 1 2 3 0 1 2 3 0 1 2", add_special=True)
+
+
+@pytest.mark.parametrize("sampler", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["perfect", "garbage", "mixed"])
+def test_economics_policy_is_lossless_and_follows_the_evidence(qwen3, sampler, kind):
+    prompt = prompt_of(qwen3)
+    plain = generate(qwen3, prompt, max_tokens=60, sampler=sampler, ctx=CTX, stop_ids=()).run()
+    truth = prompt + plain.tokens
+    good, bad = perfect(truth), garbage(truth, qwen3.config.n_vocab)
+    fn = {"perfect": good, "garbage": bad,
+          "mixed": lambda s, k: bad(s, k) if (len(s) // 10) % 2 else good(s, k)}[kind]
+    src = ScriptedSource(fn)
+    src.evidence = lambda: "scripted"
+    res = generate_speculative(qwen3, prompt, max_tokens=60, sampler=sampler, ctx=CTX, stop_ids=(), source=src,
+                               options=ECON, clock=False).run()
+    assert res.tokens == plain.tokens
+    s = res.spec
+    assert s["policy"] == "economics"
+    if kind == "perfect":
+        # the prior (p = 0.25) pays at width 2; acceptance then makes wider verifies pay
+        assert s["verify_steps"] >= 1 and max(int(w) for w in s["widths"]) >= 8 and s["tok_per_step"] > 3
+    elif kind == "garbage":
+        # the prior pays for width 2 (C = 1.05) until about ten rejections bring p1 below 7%; from then on
+        # nothing is verified, and the unverified drafts' first tokens keep the evidence low
+        assert s["verify_steps"] <= 12 and s["rejected"] == s["verify_steps"] and set(s["widths"]) <= {"1", "2"}
+        assert s["widths"]["1"] >= s["steps"] - 12
+    else:
+        assert s["verify_steps"] >= 2 and s["accepted"] > 0
+
+
+def test_a_step_that_verifies_nothing_is_one_compiled_call(qwen3, monkeypatch):
+    """With drafts the evidence does not back, each step is exactly one compiled call (the plain step's width 1),
+    nothing traced or compiled after the first: the economics add host arithmetic only."""
+    prompt = prompt_of(qwen3)
+    plain = generate(qwen3, prompt, max_tokens=40, sampler=GREEDY, ctx=CTX, stop_ids=()).run()
+    src = ScriptedSource(garbage(prompt + plain.tokens, qwen3.config.n_vocab))
+    src.evidence = lambda: "hopeless"
+    dec = Decoder(qwen3, ctx=CTX, options=ECON)
+    dec.acceptance.record("hopeless", 1, 0)  # some evidence that this key loses
+    for _ in range(30):
+        dec.acceptance.record("hopeless", 1, 0)
+    dec.first(dec.begin([Request(tuple(prompt), 40, GREEDY.validate(), frozenset(), src)]))
+    dec.step()  # warm
+    calls = []
+    real = aot.Step.__call__
+    monkeypatch.setattr(aot.Step, "__call__", lambda self, *a, **k: (calls.append(self.name), real(self, *a, **k))[1])
+    events = aot.events()
+    n = 0
+    while dec.active:
+        dec.step()
+        n += 1
+    assert n > 10 and calls == ["fucina_jax.engine.decode_sample_step"] * n
+    assert aot.events() == events
+    assert dec.rows[0].generated == plain.tokens and set(dec.widths) == {1}
