@@ -19,7 +19,7 @@ Every file is a 72-byte header, then the payload (little-endian):
     key      32s  blake2b-256 of the model key
     crc      u32  zlib.crc32 of the payload
 
-    recycling payload: int32 row ids [R] (strictly increasing: the rows ever seen), int32 rows [R, K]
+    recycling payload: int32 row ids [R] (strictly increasing: the seen rows, first slot set), int32 rows [R, K]
     outputs payload:   uint32 lengths [m], int32 tokens [sum(lengths)]
 
 Sizes are bounded by construction: a recycling file holds at most vocab * (K + 1) * 4 bytes of payload (the
@@ -160,7 +160,7 @@ class IndexStore:
         if not self.enabled:
             return False
         table = matrix.table
-        ids = np.flatnonzero((table != SENTINEL).any(axis=1)).astype("<i4")
+        ids = np.flatnonzero(table[:, 0] != SENTINEL).astype("<i4")  # seen rows: an unseen row's first slot is empty
         payload = ids.tobytes() + np.ascontiguousarray(table[ids], "<i4").tobytes()
         return self._write(self.path("recycling"), KIND_RECYCLING, matrix.vocab_size, matrix.k, payload)
 
