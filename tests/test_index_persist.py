@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -184,12 +185,44 @@ def test_foreign_files_other_key_k_kind_and_oversize(store, caplog):
         assert why in msg, msg
 
 
+def _repayload(path, edit):
+    """Edit the payload of a stored file and make its header agree again (length, checksum)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    fields = list(persist._HEADER.unpack_from(data))
+    payload = edit(bytearray(data[persist.HEADER_BYTES :]))
+    fields[5], fields[7] = len(payload), zlib.crc32(payload)
+    with open(path, "wb") as f:
+        f.write(persist._HEADER.pack(*fields) + bytes(payload))
+
+
 def test_a_checksummed_file_with_impossible_contents_is_ignored(store, caplog):
     m = warm_matrix()
     m.table[5, 0] = V + 3  # not a token of this vocabulary
     store.save_recycling(m)
     assert (store.load_recycling(V, K).table == SENTINEL).all()
-    assert "candidate ids" in warnings_of(caplog)[0]
+    store.save_recycling(warm_matrix())
+    _repayload(store.path("recycling"), lambda p: p[:4] + p[:4] + p[8:])  # a row id twice
+    assert (store.load_recycling(V, K).table == SENTINEL).all()
+    _repayload(store.path("recycling"), lambda p: p[:-4])  # not whole rows
+    assert (store.load_recycling(V, K).table == SENTINEL).all()
+    ix = warm_outputs()
+    store.save_outputs(ix)
+    m_out = ix.n_outputs
+
+    def bad_token(p):
+        struct.pack_into("<i", p, 4 * m_out, V)
+        return p
+
+    _repayload(store.path("outputs"), bad_token)
+    assert store.load_outputs(V).n_outputs == 0
+    store.save_outputs(ix)
+    _repayload(store.path("outputs"), lambda p: p[:-4])  # lengths no longer add up
+    assert store.load_outputs(V).n_outputs == 0
+    msgs = warnings_of(caplog)
+    assert len(msgs) == 5
+    for msg, why in zip(msgs, ["candidate ids", "strictly increasing", "whole rows", "token ids", "disagree"]):
+        assert why in msg, msg
 
 
 def test_a_missing_file_is_a_silent_first_run(store, caplog):
