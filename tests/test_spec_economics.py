@@ -13,7 +13,8 @@ from fucina_jax.decoder import Decoder, Request
 from fucina_jax.generate import generate, generate_speculative
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.speculative import CostPoint, SpecOptions
-from fucina_jax.speculative.economics import AcceptanceModel, choose_width, expected_committed, match_bucket
+from fucina_jax.index.protocol import match_bucket
+from fucina_jax.speculative.economics import AcceptanceModel, choose_width, expected_committed
 
 CTX = 128
 GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)

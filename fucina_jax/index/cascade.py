@@ -37,6 +37,7 @@ import numpy as np
 
 from fucina_jax.errors import DraftIndexError, IndexPoisonedError
 from fucina_jax.index.outputs import OutputIndex
+from fucina_jax.index.protocol import match_bucket
 from fucina_jax.index.recycling import RecyclingMatrix
 from fucina_jax.index.sam import SuffixAutomaton
 
@@ -163,6 +164,7 @@ class SpeculationIndex:
         self._stream = np.zeros(1024, dtype=np.int32)  # [capacity] committed tokens; the first _n are live
         self._n = 0
         self._pending: tuple[_Source, np.ndarray] | None = None  # the last draft, awaiting its verdict
+        self._evidence = "none"  # what the last draft rests on (evidence())
         self._topk_budget = 0  # rows observe_topk may still take: the size of the latest observed slice
 
     # ---- DraftSource --------------------------------------------------------------------------------
@@ -205,11 +207,13 @@ class SpeculationIndex:
                 n = index.draft(buf, budget)
             if n > 0:
                 self._pending = (src, buf[:n].copy())
+                self._evidence = f"{src.name}:{match_bucket(length)}"
                 return n
         if self._recycling is not None and not self._src_recycling.muted and self._n > 0:
             n = self._recycling.draft(int(self._stream[self._n - 1]), buf, min(p.recycling_cap, limit))
             if n > 0:
                 self._pending = (self._src_recycling, buf[:n].copy())
+                self._evidence = "recycling"
                 return n
         return 0
 
@@ -326,6 +330,12 @@ class SpeculationIndex:
         if self._outputs is None or start >= self._n:
             return 0
         return self._outputs.add_output(self._stream[start : self._n])
+
+    def evidence(self) -> str:
+        """What the last draft rests on, for the decoder's per-step economics (speculative/economics.py): its
+        source and, for the automata, its match length in log-spaced buckets (e.g. "conversation:8" = a match of
+        8-15 tokens); "recycling" for the matrix's chain."""
+        return self._evidence
 
     def truncate_pending(self, keep: int = 0) -> None:
         """Limit the pending draft's accounting to its first `keep` tokens (0 drops it).

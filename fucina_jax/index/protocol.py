@@ -13,6 +13,10 @@ Call order per decode step, as the decoder drives it:
     if source.wants_topk:
         source.observe_topk(rows)           # right after observe(), rows aligned with `committed`
 
+Optional: `source.evidence()` (called right after a suggest that drafted) returns a hashable key saying what the
+draft rests on (e.g. "conversation:8"); the decoder's per-step economics learn acceptance per key. Without it every
+draft of the source shares one key.
+
 The prompt is committed too: after prefill the decoder calls `observe(prompt_tokens)` once (no top-K rows).
 Token ids travel as 1-D NumPy int32 arrays (int64 is accepted); nothing here imports JAX.
 """
@@ -23,7 +27,13 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["DraftSource"]
+__all__ = ["DraftSource", "match_bucket"]
+
+
+def match_bucket(n: int) -> int:
+    """A match length in log-spaced buckets, for evidence keys: 0, 1, 2-3, 4-7, 8-15, 16-31, 32+ -> 0, 1, 2, 4, 8,
+    16, 32."""
+    return 0 if n <= 0 else min(1 << (int(n).bit_length() - 1), 32)
 
 
 @runtime_checkable

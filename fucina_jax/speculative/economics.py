@@ -25,16 +25,13 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from fucina_jax.index.protocol import match_bucket
+
 __all__ = ["AcceptanceModel", "DEPTH_BUCKETS", "expected_committed", "choose_width", "match_bucket"]
 
 # Draft depths 1..15 pooled into buckets (acceptance decays with depth; deep positions are rarer)
 DEPTH_BUCKETS = (1, 2, 3, 5, 9)  # bucket i holds depths [DEPTH_BUCKETS[i], DEPTH_BUCKETS[i + 1])
 _DEPTH_OF = np.array([0] + [max(i for i, lo in enumerate(DEPTH_BUCKETS) if d >= lo) for d in range(1, 16)])
-
-
-def match_bucket(n: int) -> int:
-    """A match length in log-spaced buckets: 0, 1, 2-3, 4-7, 8-15, 16-31, 32+ -> 0, 1, 2, 4, 8, 16, 32."""
-    return 0 if n <= 0 else min(1 << (int(n).bit_length() - 1), 32)
 
 
 class AcceptanceModel:

@@ -78,6 +78,9 @@ class TurnBufferedSource:
         self._flush()
         return self.index.suggest(context, buf)
 
+    def evidence(self):
+        return self.index.evidence() if callable(getattr(self.index, "evidence", None)) else "draft"
+
     def observe(self, committed: np.ndarray) -> None:
         self._flush()
         self._held = np.array(committed, np.int32)
