@@ -20,9 +20,9 @@ O(1), what a reference cursor costs) and drafts at one hash lookup per token, ho
 (scripts/bench_index.py: ~0.2 us observe + ~0.3 us draft a token, next to the conversation automaton's ~0.3 us
 append+draft). A bounded-depth suffix trie (SuffixDecoding's) would take O(depth) per inserted token and, without
 suffix links, O(depth^2) per match; one frozen automaton per output would take O(outputs) per token. What an
-automaton cannot do is forget or grow under its cursors, so a change is a rebuild over the stored outputs: ~0.25 us
-a stored token, ~30 ms at the default cap of 131,072 tokens. Rebuilding once the changes exceed `lag` (1/32) of
-the indexed size makes that ~8 us per added token, like a growing array's doublings, at the price of the newest
+automaton cannot do is forget or grow under its cursors, so a change is a rebuild over the stored outputs: ~0.2 us
+a stored token, 24-30 ms at the default cap of 131,072 tokens. Rebuilding once the changes exceed `lag` (1/32) of
+the indexed size makes that 7-14 us per added token, like a growing array's doublings, at the price of the newest
 outputs waiting (at the cap, ~4,000 tokens: 32 replies of 128) before they are found; within a conversation its own
 earlier turns are the conversation automaton's anyway. After a rebuild every matcher re-walks its last
 `max_match` tokens, which is why the match is capped (beyond a few dozen tokens a match is one occurrence and the
@@ -66,8 +66,8 @@ class OutputIndex:
     model across a process's conversations; each conversation reads it through its own `matcher()`. Queries see
     the automaton of the latest rebuild, which happens (lazily, at the next query) once the tokens added and
     evicted since the previous one exceed `lag` times its size: lag=0 rebuilds after every change, so queries see
-    exactly the stored outputs; the default 1/32 bounds the rebuild work at 32x the build cost per added token
-    (~8 us) while a small index still rebuilds after every output. `refresh()` rebuilds now. Not thread-safe.
+    exactly the stored outputs; the default 1/32 bounds the rebuild work at ~64x the build cost per added token
+    (adds and evictions both count; 7-14 us) while a small index still rebuilds after every output. `refresh()` rebuilds now. Not thread-safe.
     """
 
     def __init__(self, vocab_size: int, *, max_tokens: int = DEFAULT_MAX_TOKENS, max_match: int = MAX_MATCH,
