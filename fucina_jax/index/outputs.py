@@ -67,7 +67,8 @@ class OutputIndex:
     the automaton of the latest rebuild, which happens (lazily, at the next query) once the tokens added and
     evicted since the previous one exceed `lag` times its size: lag=0 rebuilds after every change, so queries see
     exactly the stored outputs; the default 1/32 bounds the rebuild work at ~64x the build cost per added token
-    (adds and evictions both count; 7-14 us) while a small index still rebuilds after every output. `refresh()` rebuilds now. Not thread-safe.
+    (adds and evictions both count; 7-14 us) while a small index still rebuilds after every output. `refresh()`
+    rebuilds now. Not thread-safe.
     """
 
     def __init__(self, vocab_size: int, *, max_tokens: int = DEFAULT_MAX_TOKENS, max_match: int = MAX_MATCH,
