@@ -36,7 +36,8 @@ from fucina_jax.decoder import INTERRUPTED, MAX_TOKENS, STOP_SEQUENCE, Decoder, 
 from fucina_jax.errors import ChatOptionsError, ContextFullError, FucinaError
 from fucina_jax.model import Model
 from fucina_jax.sampling import SamplerConfig, validated_config
-from fucina_jax.speculative import SpecOptions, TurnBufferedSource, reference_ids
+from fucina_jax.speculative import SpecOptions, TurnBufferedSource, default_source, reference_ids
+from fucina_jax.speculative.sources import finish_request
 
 __all__ = ["ChatOptions", "Conversation", "Reply", "repl"]
 
@@ -58,6 +59,7 @@ class ChatOptions:
     stop_sequences: tuple[str, ...] = ()
     template: ChatTemplate | None = None  # None = chat_template_for(model.tokenizer)
     clock: bool = True  # feed wall-clock step costs to the cost gate (False: the static cost table only)
+    persist: bool = True  # draft from the model's shared, persisted draft memory (speculative/sources.py)
 
     def validate(self, n_vocab: int) -> ChatOptions:
         if self.system is not None and not isinstance(self.system, str):
@@ -145,7 +147,8 @@ class Conversation:
         o = self.options
         self.messages: list[dict] = [{"role": "system", "content": o.system}] if o.system is not None else []
         if o.speculation:
-            self.source: TurnBufferedSource | None = TurnBufferedSource(self.model.config.n_vocab)
+            self.source: TurnBufferedSource | None = TurnBufferedSource(
+                self.model.config.n_vocab, index_factory=lambda: default_source(self.model, persist=o.persist))
             for ref in self._refs:
                 self.source.add_reference(ref)
             spec_options = o.spec_options or SpecOptions()
@@ -257,6 +260,7 @@ class Conversation:
         self.prefill_seconds += t_prefill - t_start
         if self.source is not None:
             self.source.sync(ids)
+            self.source.index.begin_output()  # the reply is this turn's output (the past-output index learns it)
 
         base = int(ids.size)
         reused = row.reused
@@ -331,6 +335,7 @@ class Conversation:
         dec.rewind(0, min(row.n, base + len(gen)))
         if self.source is not None:
             self.source.end_turn(row.n)
+            finish_request(self.model, self.source.index)
         self.messages.append({"role": "assistant", "content": text})
         self.turns += 1
         self.n_generated += len(gen)

@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cost-table", default=None, metavar="FILE",
                     help="verify-cost table JSON written by --spec-bench, for the cost gate (implies --spec; "
                          "default: the table shipped for the embedded model)")
+    sp.add_argument("--no-persist", action="store_true",
+                    help="draft from this run's text only: do not read or write the model's persisted draft memory "
+                         "(the recycling matrix and past outputs in ~/.cache/fucina_jax/index; also "
+                         "FUCINA_JAX_NO_PERSIST=1)")
     sp.add_argument("--spec-bench", action="store_true",
                     help="measure this model's verify cost at every verify width in plain decode steps (the cost "
                          "gate's table; uses the sampling flags and --ctx), print it, write it as JSON and a PNG "
@@ -243,6 +247,10 @@ def run(args) -> int:
     else:
         prompt = ""
     sampler = _sampler(args)  # validate flags before the slow load
+    if args.no_persist:
+        from fucina_jax.index.persist import NO_PERSIST_ENV
+
+        os.environ[NO_PERSIST_ENV] = "1"
     spec_options, refs = _spec_args(args)
     chatting = args.chat or args.repl
     if chatting and args.gen < 1:
@@ -352,6 +360,13 @@ def _run_chat(args, model, path, ctx, sampler, spec_options, refs, prompt) -> in
     return 0
 
 
+def _save_draft_memory() -> None:
+    """The run's drafts feed the model's persisted draft memory: write it now (the script exits with os._exit)."""
+    speculative = sys.modules.get("fucina_jax.speculative.sources")
+    if speculative is not None:
+        speculative.save_all()
+
+
 def _check_output_base(base: str) -> None:
     """--spec-bench-out is checked before the benchmark runs (~30 s), not after: a writable directory, a file name."""
     folder, name = os.path.split(base)
@@ -369,7 +384,10 @@ def _check_output_base(base: str) -> None:
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return run(args)
+        try:
+            return run(args)
+        finally:
+            _save_draft_memory()
     except CLIError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

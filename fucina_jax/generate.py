@@ -21,7 +21,7 @@ from fucina_jax.index.protocol import DraftSource
 from fucina_jax.models import fitted_capacity
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.speculative.gate import SpecOptions
-from fucina_jax.speculative.sources import default_source
+from fucina_jax.speculative.sources import default_source, finish_request
 
 __all__ = ["GenerationResult", "Generation", "generate", "generate_speculative", "generate_batched", "Timer"]
 
@@ -143,6 +143,9 @@ def _drive(decoder: Decoder, requests: Sequence[Request], speculative: bool = Tr
                 if o is not None and o.committed:
                     yield b, o.committed
             step, args = decoder.step, ()
+    for row in decoder.rows:  # each request's output joins the model's draft memory (index.persist)
+        if row is not None and row.source is not None:
+            finish_request(decoder.model, row.source)
     tokenizer = decoder.model.tokenizer
     results = []
     for b, req in enumerate(requests):
@@ -214,16 +217,19 @@ def generate_speculative(
     references: Sequence[str | Sequence[int]] = (),
     options: SpecOptions | None = None,
     clock: bool | Callable[[], int] = True,
+    persist: bool = True,
 ) -> Generation:
     """generate with speculative decoding: the same tokens, stop rules and result, plus `result.spec` statistics.
 
-    source: any DraftSource; None builds a fresh SpeculationIndex (conversation SAM + references + recycling).
-    references: documents for the index, token ids or text (encoded with the model's tokenizer, no BOS). clock:
-    True uses time.perf_counter_ns for the gate's live cost model, False prices verifies from the static table.
+    source: any DraftSource; None builds a fresh SpeculationIndex (conversation SAM + references + past outputs +
+    recycling) over the model's draft memory, shared by the process and kept on disk (persist=False or
+    FUCINA_JAX_NO_PERSIST=1: a private one). references: documents for the index, token ids or text (encoded with
+    the model's tokenizer, no BOS). clock: True uses time.perf_counter_ns for the live cost model, False prices
+    verifies from the static table.
     """
     req, ctx = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
     check_spec_args(options, [source], clock)
-    req = replace(req, source=default_source(model, source, references))
+    req = replace(req, source=default_source(model, source, references, persist=persist))
     dec = Decoder(model, ctx=ctx, capacity=fitted_capacity(len(req.prompt) + max_tokens, ctx),
                   options=options or SpecOptions(), clock=_clock(clock))
     return Generation(_one(_drive(dec, [req])), dec)
@@ -248,13 +254,15 @@ def generate_batched(
     sources: Sequence[DraftSource | None] | None = None,
     options: SpecOptions | None = None,
     clock: bool | Callable[[], int] = True,
+    persist: bool = True,
 ) -> list[GenerationResult]:
     """Decode every prompt (token ids, BOS included) as its own conversation, all in one batch; returns one
     GenerationResult per prompt, each with the tokens `generate` gives for that prompt alone.
 
     max_tokens, sampler, stop_ids: one value for all rows or a list with one per row (stop_ids None: the model's
     end-of-generation ids; a list of ints is one stop set for all rows). sources: one DraftSource (or None: no
-    drafts) per row; sources=None gives each row a fresh SpeculationIndex. options.enabled=False decodes plainly
+    drafts) per row; sources=None gives each row a fresh SpeculationIndex over the model's draft memory (persist:
+as in generate_speculative). options.enabled=False decodes plainly
     (one token per row per step). clock: True prices the batch gate's verifies with time.perf_counter_ns, False
     with the static cost table only. Timing: prompt_seconds is the shared prefill; decode_seconds is the wall time
     of the steps the row was active in (the row shares them with the batch).
@@ -277,7 +285,7 @@ def generate_batched(
     checked = [check_request(model, p, m, s, ctx, st) for p, m, s, st in zip(prompts, maxes, samplers, stop_ids)]
     ctx = checked[0][1]
     if sources is None:
-        sources = [default_source(model) for _ in range(B)]
+        sources = [default_source(model, persist=persist) for _ in range(B)]
     elif len(sources) != B:
         raise ValueError(f"batch = {B} rows but {len(sources)} sources: give one per row")
     requests = [replace(req, source=src) for (req, _), src in zip(checked, sources)]

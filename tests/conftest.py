@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests draft from private indexes unless they opt in (tests/test_draft_memory.py): the user's persisted draft memory
+# would otherwise carry state from one test (and one run) into the next.
+os.environ.setdefault("FUCINA_JAX_NO_PERSIST", "1")
 
 
 @pytest.fixture(scope="session")

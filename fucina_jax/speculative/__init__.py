@@ -7,7 +7,7 @@ the drivers `generate_speculative` and `generate_batched` are in `fucina_jax.gen
 """
 
 from fucina_jax.speculative.gate import DEFAULT_COST_TABLE, MAX_DRAFT, CostGate, CostPoint, SpecOptions, table_cost
-from fucina_jax.speculative.sources import TurnBufferedSource, default_source, reference_ids
+from fucina_jax.speculative.sources import DraftMemory, TurnBufferedSource, default_source, draft_memory, reference_ids
 
 __all__ = [
     "SpecOptions",
@@ -16,7 +16,9 @@ __all__ = [
     "DEFAULT_COST_TABLE",
     "MAX_DRAFT",
     "table_cost",
+    "DraftMemory",
     "TurnBufferedSource",
+    "draft_memory",
     "default_source",
     "reference_ids",
 ]

@@ -1,19 +1,32 @@
-"""Draft sources built for the drivers: a request's default index, reference documents, and the chat wrapper.
+"""Draft sources built for the drivers: a request's default index, reference documents, the process's shared and
+persisted draft memory, and the chat wrapper.
 
 Any `fucina_jax.index.DraftSource` can feed the decoder; these are the package's own arrangements of the
-`SpeculationIndex` cascade (conversation suffix automaton + reference automata + Token-Recycling matrix).
+`SpeculationIndex` cascade (conversation suffix automaton + reference automata + past outputs + Token-Recycling).
+
+`DraftMemory`: one model's Token-Recycling matrix and past-output index, shared by every request and conversation
+of the process (`draft_memory(model)`) and kept on disk per model (index/persist.py: the user cache directory,
+written atomically, a corrupt or foreign file ignored with one warning line). Opt out with FUCINA_JAX_NO_PERSIST=1,
+`--no-persist` or `persist=False`. It changes which drafts are offered, never what is committed.
 """
 
 from __future__ import annotations
 
+import atexit
+import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from fucina_jax.errors import DraftSourceError
 from fucina_jax.index import SpeculationIndex
+from fucina_jax.index.persist import IndexStore, model_key
 
-__all__ = ["TurnBufferedSource", "default_source", "reference_ids"]
+__all__ = ["DraftMemory", "TurnBufferedSource", "default_source", "draft_memory", "finish_request",
+           "reference_ids", "save_all"]
+
+SAVE_EVERY = 30.0  # seconds between two saves of a memory (and once more at exit)
 
 
 def reference_ids(model, doc) -> np.ndarray:
@@ -29,13 +42,80 @@ def reference_ids(model, doc) -> np.ndarray:
     return model.check_ids(doc)
 
 
-def default_source(model, source=None, references: Sequence = ()):
-    """`source` (None: a fresh SpeculationIndex) with the reference documents (text or token ids) added."""
+class DraftMemory:
+    """One model's shared draft state: a RecyclingMatrix and an OutputIndex, loaded from its IndexStore once and
+    saved back at most every SAVE_EVERY seconds (after a request ends) and at exit."""
+
+    def __init__(self, store: IndexStore, vocab_size: int):
+        self.store = store
+        self.matrix = store.load_recycling(vocab_size)
+        self.outputs = store.load_outputs(vocab_size)
+        self._lock = threading.Lock()
+        self._saved = time.monotonic()
+        self._dirty = False
+
+    def index(self) -> SpeculationIndex:
+        """A fresh conversation index that drafts from (and learns into) the shared state."""
+        return SpeculationIndex(self.matrix.vocab_size, recycling_matrix=self.matrix, outputs=self.outputs)
+
+    def finished(self, source) -> None:
+        """A request that drafted from `source` ended: its output joins the past outputs; save when due."""
+        if callable(getattr(source, "finish_output", None)):
+            source.finish_output()
+        self._dirty = True
+        if time.monotonic() - self._saved >= SAVE_EVERY:
+            self.save()
+
+    def save(self) -> None:
+        with self._lock:
+            if self._dirty:
+                self.store.save_recycling(self.matrix)
+                self.store.save_outputs(self.outputs)
+                self._dirty = False
+            self._saved = time.monotonic()
+
+
+_MEMORIES: dict[tuple, DraftMemory] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+def draft_memory(model) -> DraftMemory | None:
+    """The process's DraftMemory of this model (None when persistence is off by FUCINA_JAX_NO_PERSIST)."""
+    store_key = (model.path, model.config.n_vocab)
+    with _MEMORY_LOCK:
+        mem = _MEMORIES.get(store_key)
+        if mem is None:
+            store = IndexStore(model_key(model.path))
+            if not store.enabled:
+                return None
+            mem = _MEMORIES[store_key] = DraftMemory(store, model.config.n_vocab)
+            atexit.register(mem.save)  # the memory lives as long as the process
+        return mem
+
+
+def save_all() -> None:
+    """Save every draft memory of the process that changed (also run at exit; a process that leaves with os._exit,
+    as scripts/generate.py does, calls it first)."""
+    for mem in list(_MEMORIES.values()):
+        mem.save()
+
+
+def finish_request(model, source) -> None:
+    """A request (or a chat turn) that drafted from `source` ended: feed the model's draft memory."""
+    mem = _MEMORIES.get((model.path, model.config.n_vocab))
+    if mem is not None and source is not None:
+        mem.finished(source)
+
+
+def default_source(model, source=None, references: Sequence = (), persist: bool = True):
+    """`source` (None: a fresh SpeculationIndex over the model's shared draft memory, or a private one with
+    persist=False or FUCINA_JAX_NO_PERSIST set) with the reference documents (text or token ids) added."""
     if isinstance(references, (str, bytes)):
         raise TypeError(f"references must be a list of documents (text or token ids), got a "
                         f"{type(references).__name__}: pass one document as [doc]")
     if source is None:
-        source = SpeculationIndex(model.config.n_vocab)
+        mem = draft_memory(model) if persist else None
+        source = mem.index() if mem is not None else SpeculationIndex(model.config.n_vocab)
     if references:
         if not hasattr(source, "add_reference"):
             raise DraftSourceError(
