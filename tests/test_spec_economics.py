@@ -14,7 +14,7 @@ from fucina_jax.generate import generate, generate_speculative
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.speculative import CostPoint, SpecOptions
 from fucina_jax.index.protocol import match_bucket
-from fucina_jax.speculative.economics import AcceptanceModel, choose_width, expected_committed
+from fucina_jax.speculative.economics import AcceptanceModel, choose_width, expected_committed, key_prior
 
 CTX = 128
 GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)
@@ -48,6 +48,9 @@ def test_acceptance_model_counts_conditional_acceptance_per_depth():
     for _ in range(8):
         windowed.record("k", 1, 0)
     assert windowed.chain("k", 1)[0] < 0.6  # old evidence fades: the recent rejections weigh
+    # a key's match length is evidence before any verify: long verbatim matches start near-certain
+    assert AcceptanceModel().chain("conversation:32", 1)[0] == pytest.approx(0.9)
+    assert key_prior("ref0:1") < key_prior("outputs:8") < key_prior("conversation:16") and key_prior("x") == 0.25
     assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 1000)] == [0, 1, 2, 2, 4, 4, 8, 16, 32, 32]
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from fucina_jax.index.protocol import match_bucket
 
-__all__ = ["AcceptanceModel", "DEPTH_BUCKETS", "expected_committed", "choose_width", "match_bucket"]
+__all__ = ["AcceptanceModel", "DEPTH_BUCKETS", "MATCH_PRIOR", "expected_committed", "choose_width", "key_prior"]
 
 # Draft depths 1..15 pooled into buckets (acceptance decays with depth; deep positions are rarer)
 DEPTH_BUCKETS = (1, 2, 3, 5, 9)  # bucket i holds depths [DEPTH_BUCKETS[i], DEPTH_BUCKETS[i + 1])
@@ -39,13 +39,14 @@ class AcceptanceModel:
     probability that a draft token at that depth is accepted given the ones before it were.
 
     Each depth's estimate is shrunk toward the one above it: p_j = (a_j + s * p_{j-1}) / (a_j + r_j + s), with
-    p_0 = prior_mean for the first depth. So an unknown key starts pessimistic (prior_mean 0.25 pays only for the
-    cheapest verifies), and a depth that has not been verified yet is assumed as good as the depth before it, not
-    as bad as an unknown key: a source that keeps being right earns wider verifies. window: once a cell holds more
-    than this many observations its counts are halved, so old evidence fades."""
+    p_0 = prior(key) for the first depth: what the key itself says before any verify (`key_prior`: a long verbatim
+    match is near-certain, a 1-token match or a recycled candidate a weak guess). A depth that has not been verified
+    yet is assumed as good as the depth before it, not as bad as an unknown key, so a source that keeps being right
+    earns wider verifies. window: once a cell holds more than this many observations its counts are halved, so old
+    evidence fades."""
 
-    def __init__(self, prior_mean: float = 0.25, strength: float = 4.0, window: float = 64.0):
-        self.prior_mean = prior_mean
+    def __init__(self, prior_mean: float | None = None, strength: float = 4.0, window: float = 64.0):
+        self.prior_mean = prior_mean  # None: key_prior(key)
         self.strength = strength
         self.window = window
         self._cells: dict[Hashable, np.ndarray] = {}  # key -> [len(DEPTH_BUCKETS), 2] (accepted, rejected)
@@ -60,7 +61,7 @@ class AcceptanceModel:
         """The estimate per depth bucket."""
         c = self._cell(key)
         p = np.empty(len(DEPTH_BUCKETS))
-        above = self.prior_mean
+        above = key_prior(key) if self.prior_mean is None else self.prior_mean
         for j, (a, r) in enumerate(c):
             above = p[j] = (a + self.strength * above) / (a + r + self.strength)
         return p
@@ -86,6 +87,22 @@ class AcceptanceModel:
     def snapshot(self) -> dict:
         """{key: [p per depth bucket]} (statistics)."""
         return {str(k): [round(float(x), 3) for x in self._p(k)] for k in self._cells}
+
+
+# The first-token acceptance a draft's match length promises before any evidence (a "source:bucket" key,
+# index.protocol.match_bucket): a long verbatim match is near-certain, a short one a weak guess.
+MATCH_PRIOR = {0: 0.15, 1: 0.2, 2: 0.3, 4: 0.5, 8: 0.7, 16: 0.85, 32: 0.9}
+DEFAULT_PRIOR = 0.25  # a key that says nothing (a source without evidence(), the recycling matrix)
+
+
+def key_prior(key: Hashable) -> float:
+    """The prior first-token acceptance of an evidence key: MATCH_PRIOR by the key's match bucket ("name:8"), else
+    DEFAULT_PRIOR."""
+    if isinstance(key, str):
+        _, sep, bucket = key.rpartition(":")
+        if sep and bucket.isdigit():
+            return MATCH_PRIOR.get(int(bucket), DEFAULT_PRIOR)
+    return DEFAULT_PRIOR
 
 
 def expected_committed(chain: np.ndarray, width: int) -> float:
