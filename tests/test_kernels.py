@@ -454,6 +454,64 @@ def test_attention_write_is_write_kv_then_attention(cache_dtype):
     assert not np.array_equal(got[1], kc_before)  # the rows did land
 
 
+@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
+def test_a_row_map_steps_its_cache_rows_alone(cache_dtype):
+    """rows [n] maps step row i onto cache row rows[i] of a larger cache: attention_write and attention give each row
+    the bits of the identity map over the same cache rows cut out (a batch of n), write those cache rows only (every
+    other row keeps every value), and a map that repeats a row or points outside the cache is an error."""
+    rng = np.random.default_rng(23)
+    Bc, n, T, H, K, Dh, S = 5, 3, 4, 4, 2, 48, 40
+    rows = np.array([3, 0, 4], np.int32)
+    q = jnp.asarray(rng.standard_normal((n, T, H, Dh)).astype(np.float32))
+    k_new = jnp.asarray(rng.standard_normal((n, T, K, Dh)).astype(np.float32))
+    v_new = jnp.asarray(rng.standard_normal((n, T, K, Dh)).astype(np.float32))
+    kc = rng.standard_normal((Bc, S, K, Dh)).astype(cache_dtype)
+    vc = rng.standard_normal((Bc, S, K, Dh)).astype(cache_dtype)
+    pos = jnp.asarray([[5, 6, 7, 8], [20, 21, 22, 23], [37, 38, 39, 40]], jnp.int32)  # row 2 ends past the cache
+
+    mapped = jax.jit(lambda *a: kernels.attention_write(*a[:6], 0.3, 3, rows=a[6]))
+    ident = jax.jit(lambda *a: kernels.attention_write(*a, 0.3, 3))
+    got = [np.asarray(x) for x in mapped(q, k_new, v_new, kc, vc, pos, rows)]
+    want = [np.asarray(x) for x in ident(q, k_new, v_new, kc[rows], vc[rows], pos)]
+    np.testing.assert_array_equal(got[0], want[0])
+    others = np.setdiff1d(np.arange(Bc), rows)
+    for g, w, before in zip(got[1:], want[1:], (kc, vc)):
+        assert g.shape == before.shape and g.dtype == before.dtype
+        np.testing.assert_array_equal(g[rows], w)
+        np.testing.assert_array_equal(g[others], before[others])
+        assert not np.array_equal(g[rows], before[rows])  # the rows did land
+    att = jax.jit(lambda *a: kernels.attention(*a[:4], 0.3, 3, rows=a[4]))
+    np.testing.assert_array_equal(np.asarray(att(q, got[1], got[2], pos, rows)), want[0])
+    # a row alone, mapped onto each cache row in turn: its own row's bits (the identity map at batch 1)
+    for i, b in enumerate(rows):
+        one = att(q[i : i + 1], got[1], got[2], pos[i : i + 1], rows[i : i + 1])
+        np.testing.assert_array_equal(np.asarray(one)[0], want[0][i])
+    for bad in ([3, 3, 0], [0, 5, 1], [-1, 0, 1]):
+        with pytest.raises(ValueError, match="distinct rows"):
+            np.asarray(mapped(q, k_new, v_new, kc, vc, pos, np.asarray(bad, np.int32))[0])
+    with pytest.raises(ValueError, match="row map"):
+        kernels.attention(q, kc, vc, pos, 0.3)
+    with pytest.raises(ValueError, match="rows"):
+        kernels.attention(q, kc, vc, pos, 0.3, rows=jnp.asarray([0, 1], jnp.int32))
+
+
+def test_a_row_map_keeps_the_long_context_split():
+    """One decode row over a long context (a lone block, split across the thread pool) mapped onto cache row 2 of 4:
+    the bits of the same row over that cache row alone, and the definition's values."""
+    rng = np.random.default_rng(24)
+    Bc, H, K, Dh, S = 4, 4, 1, 256, 600
+    q = rng.standard_normal((1, 1, H, Dh)).astype(np.float32)
+    k = rng.standard_normal((Bc, S, K, Dh)).astype(np.float32)
+    v = rng.standard_normal((Bc, S, K, Dh)).astype(np.float32)
+    pos = np.array([[S - 3]], np.int32)
+    rows = np.array([2], np.int32)
+    att = jax.jit(kernels.attention, static_argnums=(4, 5))
+    mapped = np.asarray(att(q, k, v, pos, 0.1, 0, rows))
+    np.testing.assert_array_equal(mapped, np.asarray(att(q, k[2:3], v[2:3], pos, 0.1, 0)))
+    np.testing.assert_allclose(mapped, np_attention(q, k[2:3], v[2:3], pos, 0.1, 0), rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(mapped, np.asarray(att(q, k[1:2], v[1:2], pos, 0.1, 0)))
+
+
 def test_attention_and_norm_rows_are_independent_of_the_batch():
     rng = np.random.default_rng(13)
     T, H, K, Dh, S = 16, 4, 1, 256, 64

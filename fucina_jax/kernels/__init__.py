@@ -289,30 +289,46 @@ def _row_scales(w: QWeight, g: jax.Array, lane: jax.Array):
     return a.reshape(*lead, -1), c.reshape(*lead, -1)
 
 
+def _row_map(rows: jax.Array | None, q: jax.Array, k_cache: jax.Array) -> jax.Array:
+    """The kernels' row-map operand: rows as int32 [B], or the empty map (the identity: q's batch is the caches')."""
+    if rows is None:
+        if q.shape[0] != k_cache.shape[0]:
+            raise ValueError(f"q has {q.shape[0]} rows and the caches {k_cache.shape[0]}: pass a row map (rows)")
+        return jnp.zeros((0,), jnp.int32)
+    if rows.shape != (q.shape[0],):
+        raise ValueError(f"rows {rows.shape} must map each of q's {q.shape[0]} rows to a cache row")
+    return rows.astype(jnp.int32)
+
+
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_pos: jax.Array, scale: float,
-              window: int = 0) -> jax.Array:
+              window: int = 0, rows: jax.Array | None = None) -> jax.Array:
     """layers.attention's contract (q [B, T, H, Dh], caches [B, S, K, D], q_pos [B, T] -> [B, T, H, Dv]) in C:
-    each row reads only its visible slots and is computed in a fixed order of its own (attention.cc)."""
+    each row reads only its visible slots and is computed in a fixed order of its own (attention.cc).
+    rows int32 [n] (optional): q has n rows, row i reads cache row rows[i] of caches [Bc, S, K, D] (distinct rows;
+    a row's result is the one it gets at batch n with the identity map)."""
     _register()
     B, T, H, _ = q.shape
     return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, H, v_cache.shape[-1]), jnp.float32))(
-        q.astype(jnp.float32), k_cache, v_cache, q_pos.astype(jnp.int32), scale=np.float32(scale),
-        window=np.int64(window),
+        q.astype(jnp.float32), k_cache, v_cache, q_pos.astype(jnp.int32), _row_map(rows, q, k_cache),
+        scale=np.float32(scale), window=np.int64(window),
     )
 
 
 def attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    q_pos: jax.Array, scale: float, window: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    q_pos: jax.Array, scale: float, window: int = 0,
+                    rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """layers.write_kv of this step's K and V rows (k_new/v_new [B, T, K, D]) into both caches, then attention:
     (out [B, T, H, Dv], k_cache, v_cache) in one call. The caches are updated in place (XLA aliases the results to
-    the cache arguments); rows at positions outside the cache are dropped, as write_kv drops them."""
+    the cache arguments); rows at positions outside the cache are dropped, as write_kv drops them.
+    rows int32 [n] (optional): the step has n rows over caches [Bc, S, K, D]; step row i is written into and
+    attends over cache row rows[i] (distinct rows); the other cache rows are left as they are."""
     _register()
     B, T, H, _ = q.shape
     out_types = (jax.ShapeDtypeStruct((B, T, H, v_cache.shape[-1]), jnp.float32),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     return jax.ffi.ffi_call(ATTENTION_WRITE_TARGET, out_types, input_output_aliases={3: 1, 4: 2})(
         q.astype(jnp.float32), k_new.astype(jnp.float32), v_new.astype(jnp.float32), k_cache, v_cache,
-        q_pos.astype(jnp.int32), scale=np.float32(scale), window=np.int64(window),
+        q_pos.astype(jnp.int32), _row_map(rows, q, k_cache), scale=np.float32(scale), window=np.int64(window),
     )
 
 

@@ -3,6 +3,10 @@
 //   out[b, t, h] = sum_j softmax_j(scale * q[b, t, h] . k[b, j, h / G]) * v[b, j, h / G]
 //   over the visible slots j: j <= pos[b, t], and pos[b, t] - j < window on sliding layers (window > 0).
 //
+// A row map rows[n] (optional: an empty buffer is the identity, q's batch = the caches') lets a step compute n of
+// the caches' B rows: step row b reads (and fucina_attention_write writes) cache row rows[b]. The other cache rows
+// are neither read nor written, and a step row's arithmetic is the same whichever cache row it maps to.
+//
 // Each (b, t, h) row is computed on its own, in one fixed order (dot products in 16 lanes folded by a fixed tree,
 // the softmax sum and the weighted V sum in slot order), so a row is bitwise the same whatever the other rows of
 // the step: decode and verify rows agree exactly. Only visible slots are read, so a step costs O(position) (O(window)
@@ -135,6 +139,10 @@ inline float exp_neg(float x) {
 
 struct Shape {
   int64_t B, T, H, Dh, S, K, Dv, G;
+  int64_t Bc;                     // the caches' rows (B with no row map)
+  const int32_t* rows = nullptr;  // step row b -> cache row rows[b] (nullptr: b)
+
+  int64_t cache_row(int64_t b) const { return rows ? rows[b] : b; }
 };
 
 constexpr int kRows = 4;  // query rows sharing one kv head computed together: each K and V slot is read once for them
@@ -393,16 +401,29 @@ void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<floa
   attend(w, pool);
 }
 
-// Shapes of q [B, T, H, Dh], the caches [B, S, K, D] and pos [B, T], or the error that they do not fit together.
+// Shapes of q [B, T, H, Dh], the caches [Bc, S, K, D], pos [B, T] and the row map rows [B] (or [0]: the identity,
+// Bc = B), or the error that they do not fit together. The map's entries must be distinct cache rows.
 ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                        const ffi::Buffer<ffi::S32>& pos, const char* name, Shape* out) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(name) + ": q, k, v must be 4-D and pos 2-D");
-  Shape s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], vd[3], 0};
-  if (kd[0] != s.B || vd[0] != s.B || vd[1] != s.S || vd[2] != s.K || kd[3] != s.Dh || pd[0] != s.B ||
-      pd[1] != s.T || s.K == 0 || s.H % s.K)
-    return ffi::Error::InvalidArgument(std::string(name) + ": inconsistent q/k/v/pos shapes");
+                        const ffi::Buffer<ffi::S32>& pos, const ffi::Buffer<ffi::S32>& rows, const char* name,
+                        Shape* out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions(), rd = rows.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || rd.size() != 1)
+    return ffi::Error::InvalidArgument(std::string(name) + ": q, k, v must be 4-D, pos 2-D and rows 1-D");
+  Shape s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], vd[3], 0, kd[0]};
+  const bool mapped = rd[0] != 0;
+  if ((mapped ? rd[0] != s.B : s.Bc != s.B) || vd[0] != s.Bc || vd[1] != s.S || vd[2] != s.K || kd[3] != s.Dh ||
+      pd[0] != s.B || pd[1] != s.T || s.K == 0 || s.H % s.K)
+    return ffi::Error::InvalidArgument(std::string(name) + ": inconsistent q/k/v/pos/rows shapes");
+  if (mapped) {
+    s.rows = rows.typed_data();
+    std::vector<char> seen(static_cast<size_t>(s.Bc), 0);
+    for (int64_t b = 0; b < s.B; ++b) {
+      const int64_t r = s.rows[b];
+      if (r < 0 || r >= s.Bc || seen[r])
+        return ffi::Error::InvalidArgument(std::string(name) + ": the row map must hold distinct rows of the caches");
+      seen[r] = 1;
+    }
+  }
   s.G = s.H / s.K;
   const bool half = k.element_type() == ffi::DataType::F16;
   if ((!half && k.element_type() != ffi::DataType::F32) || v.element_type() != k.element_type())
@@ -450,7 +471,8 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
         qrow[r] = qp + ((b * s.T + t) * s.H + h) * s.Dh;
         orow[r] = op + ((b * s.T + t) * s.H + h) * s.Dv;
       }
-      const int64_t koff = (b * s.S * s.K + kh) * s.Dh, voff = (b * s.S * s.K + kh) * s.Dv;
+      const int64_t cb = s.cache_row(b);
+      const int64_t koff = (cb * s.S * s.K + kh) * s.Dh, voff = (cb * s.S * s.K + kh) * s.Dv;
       Block blk_{qrow, orow, n_rows, lo, hi, kp + koff, s.K * s.Dh, vp + voff, s.K * s.Dv, s.Dh, s.Dv, scale,
                  scores.data(), s.S};
       if (half) {
@@ -468,24 +490,26 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
 }
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
+                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out,
+                         float scale, int64_t window) {
   Shape s;
-  if (ffi::Error e = check_shapes(q, k, v, pos, "fucina_attention", &s); e.failure()) return e;
+  if (ffi::Error e = check_shapes(q, k, v, pos, rows, "fucina_attention", &s); e.failure()) return e;
   attend_all(pool, s, q.typed_data(), k.untyped_data(), v.untyped_data(), k.element_type() == ffi::DataType::F16,
              pos.typed_data(), out->typed_data(), scale, window);
   return ffi::Error::Success();
 }
 
 // Stores this step's K and V rows [B, T, K, D] at slot = position in the caches (the results, which XLA aliases to
-// the cache arguments), dropping rows whose position is outside [0, S); then attends as fucina_attention. An fp16
-// cache gets each value rounded to nearest even (as XLA's convert). One call where XLA needs two scatters.
+// the cache arguments), step row b into cache row rows[b] (no map: b), dropping rows whose position is outside
+// [0, S); then attends as fucina_attention. An fp16 cache gets each value rounded to nearest even (as XLA's
+// convert). One call where XLA needs two scatters.
 ffi::Error AttentionWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                               ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                              ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
-                              ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float scale,
-                              int64_t window) {
+                              ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows,
+                              ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                              ffi::Result<ffi::AnyBuffer> v_out, float scale, int64_t window) {
   Shape s;
-  if (ffi::Error e = check_shapes(q, k, v, pos, "fucina_attention_write", &s); e.failure()) return e;
+  if (ffi::Error e = check_shapes(q, k, v, pos, rows, "fucina_attention_write", &s); e.failure()) return e;
   auto knd = k_new.dimensions(), vnd = v_new.dimensions();
   if (knd.size() != 4 || vnd.size() != 4 || knd[0] != s.B || knd[1] != s.T || knd[2] != s.K || knd[3] != s.Dh ||
       vnd[0] != s.B || vnd[1] != s.T || vnd[2] != s.K || vnd[3] != s.Dv ||
@@ -506,7 +530,8 @@ ffi::Error AttentionWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       const int64_t nk = s.K * s.Dh, nv = s.K * s.Dv;
       const float* ks = k_new.typed_data() + (b * s.T + t) * nk;
       const float* vs = v_new.typed_data() + (b * s.T + t) * nv;
-      const int64_t kd = (b * s.S + p) * nk, vd = (b * s.S + p) * nv;
+      const int64_t cb = s.cache_row(b);
+      const int64_t kd = (cb * s.S + p) * nk, vd = (cb * s.S + p) * nv;
       if (half) {
         narrow(ks, static_cast<uint16_t*>(kc) + kd, nk);
         narrow(vs, static_cast<uint16_t*>(vc) + vd, nv);
@@ -530,6 +555,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaAttentionWrite, AttentionWriteImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -542,6 +568,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
