@@ -4,6 +4,9 @@ Each architecture module provides:
   config_from_metadata(md, n_vocab, has_output) -> ModelConfig
   tensor_table(cfg) -> (global TensorSpecs, layer index -> TensorSpecs)
   forward_hidden(params, tokens, positions, cache, cfg) -> (final-normed hidden [B, T, D], cache)
+
+A cache with a row map (models.cache.on_rows(cache, rows), rows int32 [n]) makes the forward's n rows (tokens and positions
+[n, T]) cache rows rows[i]: only those are written and read, and the cache comes back whole, without the map.
 """
 
 from __future__ import annotations

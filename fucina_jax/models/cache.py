@@ -13,6 +13,10 @@ right trade once contexts reach tens of thousands of tokens; truncate() is the o
 
 Truncation is a length update: stale slots at positions >= length are never visible, because a step writes its rows
 before attending and the causal mask hides every slot past the query's own position.
+
+A step may compute only some of the rows: `on_rows(cache, rows)` hands the forward the cache with a row map (int32
+[n], distinct row indices), and the forward's n step rows (tokens and positions [n, T]) then write and read cache
+row rows[i] only; the other rows are untouched, and the cache comes back whole ([B] lengths, no map).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from fucina_jax import aot
 from fucina_jax.errors import CacheMemoryError
 from fucina_jax.models.config import ModelConfig
 
-__all__ = ["KVCache", "fitted_capacity", "init_cache", "truncate"]
+__all__ = ["KVCache", "fitted_capacity", "init_cache", "on_rows", "stepped", "truncate"]
 
 
 @jax.tree_util.register_dataclass
@@ -36,6 +40,9 @@ class KVCache:
     k: tuple[jax.Array, ...]  # per kv slot: [B, S, K, Dh] keys after k-norm and RoPE
     v: tuple[jax.Array, ...]  # per kv slot: [B, S, K, Dh] values (after Gemma 4's value norm)
     length: jax.Array  # [B] int32: committed positions per row
+    # int32 [n] or None: a forward over n step rows reads and writes cache row rows[i] for step row i (on_rows);
+    # None: step row b is cache row b. Only a forward's input carries one.
+    rows: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -127,6 +134,19 @@ def fitted_capacity(n_positions: int, ctx: int) -> int:
     while cap < n_positions:
         cap *= 2
     return min(cap, ctx)
+
+
+def on_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """The cache as a forward over the step rows `rows` (int32 [n], distinct rows of the cache) sees it."""
+    return dataclasses.replace(cache, rows=rows)
+
+
+def stepped(cache: KVCache, ks, vs, positions: jax.Array) -> KVCache:
+    """What a forward returns: the cache with its new per-slot arrays ks / vs, each stepped row's length just past
+    its last position (positions [n, T]; with a row map only the mapped rows' lengths move), and no row map."""
+    end = positions[:, -1] + 1
+    length = end if cache.rows is None else cache.length.at[cache.rows].set(end)
+    return KVCache(k=tuple(ks), v=tuple(vs), length=length)
 
 
 def truncate(cache: KVCache, n) -> KVCache:

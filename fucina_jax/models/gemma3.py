@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from fucina_jax.models.cache import KVCache
+from fucina_jax.models.cache import KVCache, stepped
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
 from fucina_jax.models.layers import attention_block, embed, ffn_block, residual_norm, rms_norm
 from fucina_jax.models.loading import TensorSpec, output_specs
@@ -89,8 +89,8 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
     layers, eps = params["layers"], cfg.rms_eps
     x = rms_norm(h, layers[0]["attn_norm"], eps, cfg.kernels)
     for i, (p, spec) in enumerate(zip(layers, cfg.layers)):
-        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True)
+        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True, rows=cache.rows)
         h, x = residual_norm(h, a, p["post_attention_norm"], p["ffn_norm"], eps, cfg.kernels)
         nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["output_norm"]
         h, x = residual_norm(h, ffn_block(x, p, cfg.act), p["post_ffw_norm"], nxt, eps, cfg.kernels)
-    return x, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)
+    return x, stepped(cache, ks, vs, positions)

@@ -33,7 +33,7 @@ import numpy as np
 
 from fucina_jax.errors import MetadataError, MissingTensorError
 from fucina_jax.kernels import QWeight
-from fucina_jax.models.cache import KVCache
+from fucina_jax.models.cache import KVCache, stepped
 from fucina_jax.models.config import LayerSpec, ModelConfig, meta_float, meta_get, meta_int, per_layer, read_hparams
 from fucina_jax.models.layers import (
     ACTIVATIONS,
@@ -284,7 +284,8 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
             base = rope_inv_freq(spec.n_rot, spec.rope_base, spec.rope_scale)
             inv_freq = base / params["rope_freqs"][: spec.n_rot // 2]
         x = rms_norm(h, p["attn_norm"], eps, cfg.kernels)
-        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True, v_norm=True, inv_freq=inv_freq)
+        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True, v_norm=True, inv_freq=inv_freq,
+                            rows=cache.rows)
         h = h + rms_norm(a, p["post_attention_norm"], eps, cfg.kernels)
         if spec.moe:
             f = moe_block(p, h, cfg)
@@ -297,4 +298,4 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
         if "layer_output_scale" in p:
             h = h * p["layer_output_scale"]
     h = rms_norm(h, params["output_norm"], eps, cfg.kernels)
-    return h, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)
+    return h, stepped(cache, ks, vs, positions)

@@ -106,14 +106,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, neox: b
     return jnp.concatenate([y, xpass], axis=-1) if xpass.shape[-1] else y
 
 
-def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """Store new [B, T, K, Dh] into cache [B, S, K, Dh] at slot = position.
 
     Slot s holds absolute position s (a full-length cache, see cache.py). Rows whose position is >= S (padding of a
-    bucket near the end of the context) are dropped, never clamped onto a live slot.
+    bucket near the end of the context) are dropped, never clamped onto a live slot. rows int32 [n] (optional): new
+    and positions have n rows, row i goes into cache row rows[i] of a cache of any batch (the others are untouched).
     """
     B, T = positions.shape
-    rows = jax.lax.broadcasted_iota(jnp.int32, (B, T), 0)
+    if rows is None:
+        rows = jax.lax.broadcasted_iota(jnp.int32, (B, T), 0)
+    else:
+        rows = jnp.broadcast_to(rows.astype(jnp.int32)[:, None], (B, T))
     idx = jnp.stack([rows, positions.astype(jnp.int32)], axis=-1)  # [B, T, 2]: (row, slot) of each new entry
     # cache.at[rows, positions].set(new, mode="drop") as the one scatter it lowers to: tracing jnp's indexing took
     # a third of a forward's trace time (start-up)
@@ -134,10 +138,13 @@ def attention(
     q_pos: jax.Array,
     scale: float,
     window: int = 0,
+    rows: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale + mask) v with GQA, over the visible part of the cache.
 
     q: [B, T, H, Dh]; k_cache/v_cache: [B, S, K, Dh(v)] already holding this step's rows; q_pos: [B, T].
+    rows int32 [n] (optional): q has n rows, row i attends over cache row rows[i] (those rows are gathered first: a
+    copy, on this reference path).
     Mask: slot j visible to a query at position p iff j <= p (causal; stale slots past the committed length are
     always > p or were overwritten by this step), and on sliding layers additionally p - j < window (llama.cpp's
     LLAMA_SWA_TYPE_STANDARD: a query sees exactly the last `window` positions including itself).
@@ -147,6 +154,8 @@ def attention(
     This is the pure-JAX reference; models on the kernels use kernels.attention (same contract, in C,
     row-exact).
     """
+    if rows is not None:
+        k_cache, v_cache = k_cache[rows], v_cache[rows]
     B, T, H, Dh = q.shape
     S, K = k_cache.shape[1], k_cache.shape[2]
     G = H // K
@@ -341,7 +350,7 @@ def layer_inv_freq(spec) -> np.ndarray:
 
 
 def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_norm: bool, v_norm: bool = False,
-                    inv_freq=None):
+                    inv_freq=None, rows=None):
     """Self-attention of one layer: projections, (q/k norm), RoPE, cache write, attention, output projection.
 
     x: [B, T, D] (already input-normed); ks/vs: the cache's per-slot arrays, updated in place in the Python list
@@ -349,6 +358,7 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
     projection, before k-norm and RoPE), the weightless value norm, and shared-KV layers that only read.
     inv_freq [n_rot/2] overrides the spec's RoPE speeds (Gemma 4 divides them by the rope_freqs tensor, which is a
     weight of the file, not metadata, so it cannot live in the static LayerSpec).
+    rows int32 [n] or None (KVCache.rows): x's n rows are cache rows rows[i] (written and read there alone).
     """
     B, T, _ = x.shape
     H, K, Dh = cfg.n_heads, spec.n_kv_heads, spec.head_dim
@@ -377,13 +387,13 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
     window = cfg.window if spec.sliding else 0
     slot = spec.kv_slot
     if spec.writes_kv and cfg.kernels:  # the cache write and the attention in one C call
-        a, ks[slot], vs[slot] = kernels_attention_write(q, k, v, ks[slot], vs[slot], positions, scale, window)
+        a, ks[slot], vs[slot] = kernels_attention_write(q, k, v, ks[slot], vs[slot], positions, scale, window, rows)
     else:
         if spec.writes_kv:
-            ks[slot] = write_kv(ks[slot], k, positions)
-            vs[slot] = write_kv(vs[slot], v, positions)
+            ks[slot] = write_kv(ks[slot], k, positions, rows)
+            vs[slot] = write_kv(vs[slot], v, positions, rows)
         attend = kernels_attention if cfg.kernels else attention
-        a = attend(q, ks[slot], vs[slot], positions, scale, window)
+        a = attend(q, ks[slot], vs[slot], positions, scale, window, rows)
     return linear(a.reshape(B, T, H * Dh), p["attn_output"])
 
 

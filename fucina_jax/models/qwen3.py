@@ -6,7 +6,7 @@ Also the shared wiring for the other plain pre-norm architectures: Llama (no q/k
 
 from __future__ import annotations
 
-from fucina_jax.models.cache import KVCache
+from fucina_jax.models.cache import KVCache, stepped
 from fucina_jax.models.config import LayerSpec, ModelConfig, read_hparams
 from fucina_jax.models.layers import (
     attention_block, embed, ffn_block, layer_inv_freq, linear, moe_ffn, residual_norm, rms_norm,
@@ -105,8 +105,9 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
     x = rms_norm(h, layers[0]["attn_norm"], eps, cfg.kernels)
     for i, (p, spec) in enumerate(zip(layers, cfg.layers)):
         inv_freq = layer_inv_freq(spec) / params["rope_freqs"] if "rope_freqs" in params else None
-        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm, inv_freq=inv_freq)
+        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm, inv_freq=inv_freq,
+                            rows=cache.rows)
         h, x = residual_norm(h, a, None, p["ffn_norm"], eps, cfg.kernels)
         nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["output_norm"]
         h, x = residual_norm(h, ffn(p, x, spec, cfg), None, nxt, eps, cfg.kernels)
-    return x, KVCache(k=tuple(ks), v=tuple(vs), length=positions[:, -1] + 1)
+    return x, stepped(cache, ks, vs, positions)
