@@ -17,8 +17,9 @@ Each writes its rows into the cache and returns it with `length` advanced by the
 
 The decoder's fused steps (forward + sampler in one program, decoder.py drives them):
 
-  sample_step         prefill logits [B, V]         -> each row's first token
-  decode_sample_step  tokens [B, k in STEP_WIDTHS]  -> every row's sample; k = 1 is the plain decode step
+  sample_step              prefill logits [B, V]         -> each row's first token
+  decode_sample_step       tokens [B, k in STEP_WIDTHS]  -> every row's sample; k = 1 is the plain decode step
+  decode_sample_rows_step  tokens [n, k], rows [n]       -> the same for n of the cache's B rows (the active ones)
 
 `prefill` (host) feeds a prompt per row through prefill_step in bucketed chunks; `prepare_prefill` brings its
 programs in beforehand, so that a timer can tell loading from running.
@@ -34,7 +35,7 @@ import numpy as np
 
 from fucina_jax import aot, sampling
 from fucina_jax.models import forward_hidden, truncate, unembed
-from fucina_jax.models.cache import KVCache
+from fucina_jax.models.cache import KVCache, on_rows
 from fucina_jax.models.config import ModelConfig
 
 __all__ = [
@@ -51,6 +52,9 @@ __all__ = [
     "verify_step",
     "sample_step",
     "decode_sample_step",
+    "decode_sample_rows_step",
+    "ROW_BUCKETS",
+    "row_bucket",
     "feedback_topk",
     "push_rows",
 ]
@@ -256,14 +260,57 @@ def decode_sample_step(
     `with_logits` are static, so neither output is traced unless asked for (the logits are for the decoder's
     row hook, a test/debug instrument).
     """
+    return decode_sample_rows_step.__wrapped__(params, tokens, drafts, None, start, cache, history, pushed, n_pushed,
+                                               sparams, cfg, cap, wants_topk, with_logits)
+
+
+# ---- the row-mapped step: n of the cache's B rows -----------------------------------------------------------------
+
+# Step rows of decode_sample_rows_step: a decoder pads its active rows up to the smallest of these that holds them
+# (never past its B), so that a batch with few active rows pays for those, not for B.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def row_bucket(n_active: int, batch: int) -> int:
+    """The step rows for n_active (>= 1) active rows of a B-row cache: the smallest ROW_BUCKETS entry holding them,
+    capped at B (at B = 6, five active rows step all six)."""
+    return min(next((b for b in ROW_BUCKETS if b >= n_active), batch), batch)
+
+
+@aot.jit(static_argnames=("cfg", "cap", "wants_topk", "with_logits"), donate_argnames=("cache",))
+def decode_sample_rows_step(params, tokens: jax.Array, drafts: jax.Array, rows: jax.Array | None, start: jax.Array,
+                            cache: KVCache, history: sampling.History, pushed: jax.Array, n_pushed: jax.Array,
+                            sparams: sampling.SamplerParams, cfg: ModelConfig, cap: int, wants_topk: bool = False,
+                            with_logits: bool = False):
+    """decode_sample_step for n of the cache's B rows: step row i is cache row rows[i] (rows None: every row in
+    order, which is decode_sample_step).
+
+    rows int32 [n]: distinct cache rows; padding entries (n a bucket above the active rows, see row_bucket) point at
+    distinct other rows, computed and never looked at, exactly as a row riding along in decode_sample_step: given
+    its carried token at start = its committed length - 1, a padding row rewrites that slot with the values its
+    next step would write, and its slots past it are stale. tokens, drafts [n, k] and start [n] are per step row,
+    as decode_sample_step's are per cache row. The cache, history, pushed [B, N], n_pushed [B] and sparams
+    keep their B rows: the pending samples of every row are pushed (as decode_sample_step pushes them), and step
+    row i is sampled with history[rows[i]] and sparams[rows[i]].
+
+    Returns (sampled int32 [n, STEP_WIDTHS[-1]], the history of all B rows after the push, logits [n, k, V] or
+    None, top-K ids [n, k, TOPK_FEEDBACK] or None, the cache with rows[i] advanced to start[i] + k and every other
+    row untouched). Row i's values are bitwise those of cache row rows[i] stepped alone (B = 1) with the same cache
+    contents; the caches are updated in place (no copy on the kernels' path).
+    """
     history = push_rows(history, pushed, n_pushed)
-    cache = truncate(cache, start)
-    B, k = tokens.shape
+    n, k = tokens.shape
     in_pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    if rows is None:
+        cache = truncate(cache, start)
+        step_history, step_sparams = history, sparams
+    else:  # the forward writes and reads the mapped rows only; their history and sampler values are gathered
+        cache = on_rows(cache, rows)
+        step_history, step_sparams = jax.tree_util.tree_map(lambda x: x[rows], (history, sparams))
     h, cache = forward_hidden(params, tokens, in_pos, cache, cfg)
     # one row: unembedded as [k, D], the shape a lone decode/verify row has always had (row-exact either way)
-    logits = unembed(params, h[0], cfg)[None] if B == 1 else unembed(params, h, cfg)
-    sampled = _sample(logits, in_pos + 1, history, drafts if k > 1 else None, sparams, cap)
+    logits = unembed(params, h[0], cfg)[None] if n == 1 else unembed(params, h, cfg)
+    sampled = _sample(logits, in_pos + 1, step_history, drafts if k > 1 else None, step_sparams, cap)
     topk = feedback_topk(logits) if wants_topk else None
     return _padded(sampled), history, (logits if with_logits else None), topk, cache
 
