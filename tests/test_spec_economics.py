@@ -131,3 +131,21 @@ def test_a_step_that_verifies_nothing_is_one_compiled_call(qwen3, monkeypatch):
     assert n > 10 and calls == ["fucina_jax.engine.decode_sample_step"] * n
     assert aot.events() == events
     assert dec.rows[0].generated == plain.tokens and set(dec.widths) == {1}
+
+
+def test_step_costs_are_learned_per_width():
+    """The cost model: the table (times the live scale) until a width is timed, slightly optimistic for unmeasured
+    widths while a clock runs (so a near miss is tried once), then the measured EWMA, per batch size."""
+    from fucina_jax.speculative import CostGate
+
+    gate = CostGate(SpecOptions(cost_table=TABLE))
+    assert gate.step_cost(1) == 1.0 and gate.step_cost(16) == pytest.approx(2.5)  # no clock yet: the table
+    gate.note_plain_ns(1000.0)
+    assert gate.step_cost(16) == pytest.approx(2.5 * (1 - CostGate.UNMEASURED_DISCOUNT))
+    gate.note_step(16, 1, 1800.0)  # this machine's 16-row step costs 1.8 plain steps, not 2.5
+    assert gate.step_cost(16) == pytest.approx(1.8)
+    gate.note_step(16, 1, 2800.0)
+    assert gate.step_cost(16) == pytest.approx(0.2 * 2.8 + 0.8 * 1.8)
+    assert gate.step_cost(16, rows=4) != gate.step_cost(16)  # a batch's costs are its own
+    gate.note_step(8, 4, 6000.0)
+    assert gate.step_cost(8, rows=4) == pytest.approx(6.0)

@@ -254,6 +254,7 @@ def test_decisions_counts():
     g.allows()
     g.record_verify(1, 0, 8, 2.84)
     d = g.decisions()
-    assert d == dict(state="off", trips=1, probes=1, probes_passed=0, probes_failed=1, backoff=2, cost_scale=1.0)
+    assert d == dict(state="off", trips=1, probes=1, probes_passed=0, probes_failed=1, backoff=2, cost_scale=1.0,
+                     measured_costs={})
     with pytest.raises(RuntimeError):
         g.record_verify(1, 0, 8, 2.84)  # the decoder must not verify while the gate is off

@@ -198,7 +198,7 @@ class CostGate:
         self.probes = 0  # re-probes started
         self.probes_passed = 0
         self.probes_failed = 0
-        self._batch_costs: dict[int, float] = {}  # width -> measured cost of a batch step, in plain batch steps
+        self._measured: dict[tuple[int, int], float] = {}  # (batch rows, width) -> measured cost in plain steps
         self._window: collections.deque[_Entry] = collections.deque(maxlen=options.rate_window)
         self._reset_window()
 
@@ -244,29 +244,35 @@ class CostGate:
             self.cost_scale = min(max(scale, self.SCALE_MIN), self.SCALE_MAX)
         return max(self.cost_scale * base, 1.0)
 
+    # An unmeasured width is priced this much below the table (times the live scale) while a clock runs, so that a
+    # width the table makes a near miss is tried, and measured, once: the table's shape is one machine's.
+    UNMEASURED_DISCOUNT = 0.1
+
     def step_cost(self, width: int, rows: int = 1) -> float:
-        """The predicted cost of a step of `width` rows per batch row in plain steps of the same batch (1 for a
-        plain step): one row, the table times the live scale; several, the batch's own measured cost of that width
-        (an EWMA, like the scale) once one was timed, else the table."""
+        """The predicted cost of a step of `width` rows per batch row over `rows` batch rows, in plain steps of the
+        same batch (1 for a plain step): the measured cost of that width (an EWMA, like the scale) once one was
+        timed, else the table times the live scale (for a batch the table underprices: its first verify of a
+        width measures it)."""
         if width <= 1:
             return 1.0
-        if rows > 1:
-            measured = self._batch_costs.get(width)
-            if measured is not None:
-                return measured
-        return max(self.cost_scale * table_cost(self.options.cost_table, width - 1), 1.0)
+        measured = self._measured.get((rows, width))
+        if measured is not None:
+            return measured
+        base = max(self.cost_scale * table_cost(self.options.cost_table, width - 1), 1.0)
+        return max(base * (1.0 - self.UNMEASURED_DISCOUNT), 1.0) if self.plain_samples else base
 
     def note_step(self, width: int, rows: int, ns: float) -> None:
-        """A timed verify of `width` rows (per batch row) over `rows` batch rows: update the cost model ("economics"
-        policy; the plain step's own time goes to note_plain_ns)."""
+        """A timed verify of `width` rows (per batch row) over `rows` batch rows ("economics" policy; a plain step's
+        time goes to note_plain_ns): its cost joins the width's EWMA, and for one row the table's live scale."""
         if width <= 1 or self.plain_samples == 0 or self.plain_ns <= 0:
             return
+        base = table_cost(self.options.cost_table, width - 1)
         if rows == 1:
             self.verify_cost(width - 1, ns)
-            return
-        sample = min(max(ns / self.plain_ns, 1.0), self.SCALE_MAX * table_cost(self.options.cost_table, width - 1))
-        old = self._batch_costs.get(width)
-        self._batch_costs[width] = sample if old is None else self.SCALE_ALPHA * sample + (1 - self.SCALE_ALPHA) * old
+        sample = min(max(ns / self.plain_ns, 1.0), self.SCALE_MAX * base * rows)
+        old = self._measured.get((rows, width))
+        self._measured[rows, width] = sample if old is None else \
+            self.SCALE_ALPHA * sample + (1 - self.SCALE_ALPHA) * old
 
     def record_verify(self, committed: int, accepted: int, drafted: int, cost: float) -> None:
         """Add one verify's outcome to the window and run the decision."""
@@ -319,6 +325,7 @@ class CostGate:
         return dict(
             state=self.state, trips=self.trips, probes=self.probes, probes_passed=self.probes_passed,
             probes_failed=self.probes_failed, backoff=self.backoff, cost_scale=round(self.cost_scale, 4),
+            measured_costs={f"{r}x{w}": round(c, 3) for (r, w), c in sorted(self._measured.items())},
         )
 
     # ---- internals ----------------------------------------------------------------------------------
