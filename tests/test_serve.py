@@ -83,6 +83,8 @@ def test_health_and_models(server, client, tiny_path):
     models = client.models.list().data
     assert [m.id for m in models] == ["qwen3.gguf"] and models[0].object == "model"
     assert client.models.retrieve("qwen3.gguf").id == "qwen3.gguf"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert e.value.code == "model_not_found"
