@@ -446,26 +446,40 @@ class Decoder:
             elif b not in drafts:
                 rows[b].stats.fallback_steps += 1
         width = engine.bucket_for(1 + max((len(x) for x in drafts.values()), default=0), engine.STEP_WIDTHS)
-        toks = np.zeros((self.B, width), np.int32)  # padding rows hold token 0: computed, never looked at
-        dr = np.full((self.B, width), -1, np.int32)
-        start = np.zeros(self.B, np.int32)
-        for b, row in enumerate(rows):
+        # The step's rows: every cache row, or (a batch with rows not decoding) only the active ones, padded to a
+        # row bucket with other rows, which are computed and never looked at (engine.decode_sample_rows_step).
+        n_step = engine.row_bucket(len(active), self.B)
+        order = list(range(self.B)) if n_step == self.B else \
+            active + [b for b in range(self.B) if b not in active][: n_step - len(active)]
+        at = {b: i for i, b in enumerate(order)}
+        toks = np.zeros((n_step, width), np.int32)  # padding holds token 0: computed, never looked at
+        dr = np.full((n_step, width), -1, np.int32)
+        start = np.zeros(n_step, np.int32)
+        for i, b in enumerate(order):
+            row = rows[b]
             if row is not None and row.n:
-                start[b] = row.n - 1
-                toks[b, 0] = row.stream[row.n - 1]
+                start[i] = row.n - 1
+                toks[i, 0] = row.stream[row.n - 1]
         for b, x in drafts.items():
-            toks[b, 1 : 1 + x.size] = x
-            dr[b, : x.size] = x
+            toks[at[b], 1 : 1 + x.size] = x
+            dr[at[b], : x.size] = x
         hook = self.on_verify_row
         wants_topk = width > 1 and any(getattr(rows[b].source, "wants_topk", False) for b in drafts)
         events = aot.events()
         t0 = self.clock() if self.clock else 0
         cache, self.cache = self.cache, None  # donated below
         try:
-            sampled_dev, self.history, logits, topk, self.cache = engine.decode_sample_step(
-                self.model.params, toks, dr, start, cache, self.history, self._pushed, self._n_pushed,
-                self._sparams, self.model.config, self._cap, wants_topk=wants_topk, with_logits=hook is not None,
-            )
+            if n_step == self.B:
+                sampled_dev, self.history, logits, topk, self.cache = engine.decode_sample_step(
+                    self.model.params, toks, dr, start, cache, self.history, self._pushed, self._n_pushed,
+                    self._sparams, self.model.config, self._cap, wants_topk=wants_topk, with_logits=hook is not None,
+                )
+            else:
+                sampled_dev, self.history, logits, topk, self.cache = engine.decode_sample_rows_step(
+                    self.model.params, toks, dr, np.asarray(order, np.int32), start, cache, self.history,
+                    self._pushed, self._n_pushed, self._sparams, self.model.config, self._cap,
+                    wants_topk=wants_topk, with_logits=hook is not None,
+                )
         except BaseException:
             self.cache = cache  # the forward failed: its input may still be whole (cache_alive tells)
             raise
@@ -475,7 +489,7 @@ class Decoder:
         out: list[Outcome | None] = [None] * self.B
         for b in active:
             x = drafts.get(b, ())
-            out[b] = accept(sampled[b], x, rows[b].stops, limits[b])
+            out[b] = accept(sampled[at[b]], x, rows[b].stops, limits[b])
         if hook is not None:  # before anything is committed: a hook that raises leaves the step uncommitted
             rows_np = np.asarray(logits)[0]
             o0 = out[0]
@@ -485,16 +499,21 @@ class Decoder:
         for b in active:
             self._commit(rows[b], out[b])
             n_new[b] = len(out[b].committed)
-        self._pushed, self._n_pushed = sampled_dev, n_new
+        if n_step == self.B:
+            self._pushed = sampled_dev
+        else:  # the next step pushes from every cache row's samples: these rows' from the host copy
+            self._pushed = np.full((self.B, sampled.shape[1]), -1, np.int32)
+            self._pushed[order] = sampled
+        self._n_pushed = n_new
         if economics:
             for b, key in keys.items():  # what the verified drafts earned; unverified ones, their first token
                 self.acceptance.record(key, out[b].drafted, out[b].accepted)
             for b, (key, first) in shadow.items():
                 self.acceptance.record(key, 1, int(bool(out[b].committed) and out[b].committed[0] == first))
             if width > 1 and step_ns is not None:
-                gate.note_step(width, self.B, step_ns)
+                gate.note_step(width, n_step, step_ns)
             elif width == 1 and step_ns is not None:
-                gate.note_plain_ns(step_ns)
+                gate.note_plain_ns(step_ns, rows=n_step)
         else:
             self._price(width, active, out, step_ns)
         # streams, lengths and histories are settled: a source raising below leaves the decoder consistent
@@ -502,7 +521,7 @@ class Decoder:
         failure = None
         for b in active:  # every row's source is fed even when another's raises; the first error is raised after
             try:
-                self._observe(rows[b], out[b], None if topk_rows is None or b not in drafts else topk_rows[b])
+                self._observe(rows[b], out[b], None if topk_rows is None or b not in drafts else topk_rows[at[b]])
             except Exception as e:
                 if failure is None:
                     failure, self.failed_row = e, b
@@ -555,7 +574,8 @@ class Decoder:
                 chains.append(self.acceptance.chain(keys[b], len(drafts[b])))
             else:
                 chains.append(np.zeros(0))
-        width, value = choose_width(chains, engine.STEP_WIDTHS, lambda w: self.gate.step_cost(w, self.B),
+        n_step = engine.row_bucket(len(active), self.B)
+        width, value = choose_width(chains, engine.STEP_WIDTHS, lambda w: self.gate.step_cost(w, n_step),
                                     self.options.min_gain)
         self.widths[width] = self.widths.get(width, 0) + 1
         if width == 1:

@@ -183,17 +183,30 @@ def test_stop_sampled_inside_an_accepted_run(arch):
 
 
 def test_no_recompile_inside_a_bucket(arch):
-    """A second batch with other prompts, lengths, seeds, drafts and stop times compiles nothing new."""
+    """Once a batch size's shapes are compiled (its step widths, and its row buckets as rows finish), other
+    prompts, lengths, seeds, drafts and stop times compile nothing new; and the shapes are bounded by the
+    declared buckets."""
+    from fucina_jax import engine
+
     prompts, maxes, samps, stops, sources, _ = arch.case(ROW_SETS[3], "sampled")
+    start = aot.events()
     generate_batched(arch.model, prompts, max_tokens=maxes, sampler=samps, ctx=CTX, stop_ids=stops, sources=sources,
                      options=OPTIONS, clock=False)
-    before = aot.events()
     rng = np.random.default_rng(9)
-    other = [rng.integers(0, 200, n).tolist() for n in (13, 2, 40)]
-    samps = [SamplerConfig(temperature=0.5, top_k=17, seed=s) for s in (1, 2, 3)]
-    generate_batched(arch.model, other, max_tokens=[9, 30, 17], sampler=samps, ctx=CTX, stop_ids=[(), (5,), ()],
-                     sources=[SpeculationIndex(arch.model.config.n_vocab) for _ in other], options=OPTIONS,
-                     clock=False)
+
+    def other(seed):
+        r = np.random.default_rng(seed)
+        rows = [r.integers(0, 200, n).tolist() for n in (13, 2, 40)]
+        samplers = [SamplerConfig(temperature=0.5, top_k=17, seed=seed + s) for s in (1, 2, 3)]
+        generate_batched(arch.model, rows, max_tokens=[9, 30, 17], sampler=samplers, ctx=CTX,
+                         stop_ids=[(), (5,), ()], sources=[SpeculationIndex(arch.model.config.n_vocab) for _ in rows],
+                         options=OPTIONS, clock=False)
+
+    other(int(rng.integers(100)))  # warms the row buckets this finishing order reaches
+    n_programs = len(engine.STEP_WIDTHS) * len({engine.row_bucket(n, 3) for n in (1, 2, 3)}) + 8
+    assert aot.events() - start <= n_programs  # (+ prefill chunks and the first-token sampler)
+    before = aot.events()
+    other(int(rng.integers(100, 200)))
     assert aot.events() == before
 
 

@@ -199,6 +199,7 @@ class CostGate:
         self.probes_passed = 0
         self.probes_failed = 0
         self._measured: dict[tuple[int, int], float] = {}  # (batch rows, width) -> measured cost in plain steps
+        self._plain_by_rows: dict[int, float] = {}  # batch rows stepped -> EWMA of that plain step's time
         self._window: collections.deque[_Entry] = collections.deque(maxlen=options.rate_window)
         self._reset_window()
 
@@ -217,11 +218,15 @@ class CostGate:
             return True
         return False
 
-    def note_plain_ns(self, ns: float) -> None:
-        """Feed one plain step's wall time into the live cost model."""
+    def note_plain_ns(self, ns: float, rows: int | None = None) -> None:
+        """Feed one plain step's wall time into the live cost model (rows: the batch rows it computed, when the
+        decoder steps fewer than all of them: each row count's plain step is kept apart for note_step)."""
         a = self.PLAIN_ALPHA
         self.plain_ns = float(ns) if self.plain_samples == 0 else a * ns + (1.0 - a) * self.plain_ns
         self.plain_samples += 1
+        if rows is not None:
+            old = self._plain_by_rows.get(rows)
+            self._plain_by_rows[rows] = float(ns) if old is None else a * ns + (1.0 - a) * old
 
     def verify_cost(self, draft_len: int, verify_ns: float | None = None, rows: int = 1) -> float:
         """One verify's cost in plain-step equivalents.
@@ -264,12 +269,13 @@ class CostGate:
     def note_step(self, width: int, rows: int, ns: float) -> None:
         """A timed verify of `width` rows (per batch row) over `rows` batch rows ("economics" policy; a plain step's
         time goes to note_plain_ns): its cost joins the width's EWMA, and for one row the table's live scale."""
-        if width <= 1 or self.plain_samples == 0 or self.plain_ns <= 0:
+        plain = self._plain_by_rows.get(rows, self.plain_ns)
+        if width <= 1 or self.plain_samples == 0 or plain <= 0:
             return
         base = table_cost(self.options.cost_table, width - 1)
         if rows == 1:
             self.verify_cost(width - 1, ns)
-        sample = min(max(ns / self.plain_ns, 1.0), self.SCALE_MAX * base * rows)
+        sample = min(max(ns / plain, 1.0), self.SCALE_MAX * base * rows)
         old = self._measured.get((rows, width))
         self._measured[rows, width] = sample if old is None else \
             self.SCALE_ALPHA * sample + (1 - self.SCALE_ALPHA) * old
