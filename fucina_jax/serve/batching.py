@@ -49,6 +49,7 @@ from fucina_jax.serve.backend import (
     _usage,
 )
 from fucina_jax.speculative import SpecOptions, default_source
+from fucina_jax.speculative.sources import finish_request
 
 __all__ = ["BatchingBackend"]
 
@@ -259,6 +260,8 @@ class BatchingBackend:
         row = self.decoder.rows[b]
         self.decoder.stop(b, INTERRUPTED if finish == "cancelled" else STOP_SEQUENCE)  # if its text or client ended it
         spec = self.decoder.spec_stats(b) if slot.ticket.request.speculation else None
+        if row.source is not None:
+            finish_request(self.model, row.source)  # the output joins the model's draft memory
         self._finish(slot.ticket, finish, slot.n_gen, spec)
         with self._cv:
             self._slots[b] = None

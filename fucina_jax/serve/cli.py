@@ -66,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context size in tokens; every request's prompt + max_tokens must fit (default: min(4096, "
                         "the model's trained context))")
     p.add_argument("--max-batch", type=_positive_int("--max-batch"), default=8,
-                   help="requests decoded together (slots); the serial backend runs one at a time (default 8)")
+                   help="requests decoded together (slots: a KV cache of max-batch x ctx positions) (default 8)")
+    p.add_argument("--backend", choices=("batching", "serial"), default="batching",
+                   help="batching: continuous batching on one decoder (requests join and leave between steps); "
+                        "serial: one request at a time (default batching)")
+    p.add_argument("--no-persist", action="store_true",
+                   help="do not read or write the model's persisted draft memory (also FUCINA_JAX_NO_PERSIST=1)")
     p.add_argument("--queue", type=_nonneg_int("--queue"), default=DEFAULT_QUEUE,
                    help=f"requests that may wait for a slot; past that a request gets 503 + Retry-After "
                         f"(default {DEFAULT_QUEUE})")
@@ -137,7 +142,9 @@ def serve(args) -> int:
     import fucina_jax
     from fucina_jax.serve.app import create_app
     from fucina_jax.serve.backend import SerialBackend
+    from fucina_jax.serve.batching import BatchingBackend
     from fucina_jax.serve.protocol import ModelInfo
+    from fucina_jax.speculative.sources import save_all
 
     quiet = args.log_level in ("warning", "error")
     log = logging.getLogger("fucina_jax.serve")  # the app's own messages (a failed request), beside uvicorn's
@@ -154,7 +161,12 @@ def serve(args) -> int:
     if ctx < 2:
         raise CLIError(f"--ctx {ctx} leaves no room for a prompt and a completion")
     info = ModelInfo.from_model(model, ctx=ctx, speculation=args.spec, path=model.path)
-    backend = SerialBackend(model, ctx=ctx, max_batch=args.max_batch, queue_size=args.queue)
+    if args.no_persist:
+        from fucina_jax.index.persist import NO_PERSIST_ENV
+
+        os.environ[NO_PERSIST_ENV] = "1"
+    kind = BatchingBackend if args.backend == "batching" else SerialBackend
+    backend = kind(model, ctx=ctx, max_batch=args.max_batch, queue_size=args.queue)
     if not quiet:
         print(f"loaded {info.id} ({model.config.arch}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
               flush=True)
@@ -175,6 +187,7 @@ def serve(args) -> int:
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     backend.shutdown(args.shutdown_timeout)  # already done by the app's lifespan; a no-op then
+    save_all()  # the requests' drafts feed the model's persisted draft memory
     return 0
 
 
