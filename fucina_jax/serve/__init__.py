@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server: `python -m fucina_jax.serve [MODEL.gguf]` (or scripts/serve.py).
 
     python scripts/serve.py [MODEL.gguf] [--host 127.0.0.1] [--port 8080] [--ctx N] [--max-batch 8] [--spec]
-        [--queue 64] [--shutdown-timeout 30]
+        [--queue 64] [--shutdown-timeout 30] [--backend batching|serial] [--no-persist]
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="unused")
@@ -20,7 +20,9 @@ request; --spec sets the default), `references` (documents for the draft index; 
 Layout:
   backend.py   the interface the HTTP layer talks to (GenRequest, Ticket and its events, Backend), the shared
                TextAssembler (token ids -> text deltas with stop strings), and SerialBackend (one request at a time
-               on one worker thread, through fucina_jax.generate / fucina_jax.speculative);
+               on one worker thread, through fucina_jax.generate; --backend serial);
+  batching.py  BatchingBackend, the default: continuous batching on one fucina_jax.decoder.Decoder of --max-batch
+               rows (requests join and leave between steps, a free row's stream is a prompt cache);
   protocol.py  OpenAI's wire format: request JSON -> a validated GenRequest, the response and chunk objects, errors;
   app.py       the Starlette app: routes, server-sent events, disconnects, the thread -> event-loop bridge;
   cli.py       flags, model loading, warm-up, uvicorn, graceful SIGTERM.
@@ -39,10 +41,15 @@ Why these components:
     lines of code. sse-starlette would add a dependency for features the format does not use.
 """
 
-__all__ = ["GenRequest", "Ticket", "Backend", "SerialBackend", "QueueFull", "Delta", "Done", "Failed"]
+__all__ = ["GenRequest", "Ticket", "Backend", "SerialBackend", "BatchingBackend", "QueueFull", "Delta", "Done",
+           "Failed"]
 
 
 def __getattr__(name):
+    if name == "BatchingBackend":
+        from fucina_jax.serve import batching
+
+        return batching.BatchingBackend
     if name in __all__:
         from fucina_jax.serve import backend
 
