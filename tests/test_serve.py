@@ -386,10 +386,14 @@ def test_sigterm_finishes_the_in_flight_request_and_exits_0(tiny_path, tiny):
 
     t = threading.Thread(target=ask)
     t.start()
-    _until(s.url, lambda h: h["slots_free"] < h["slots_total"])  # the request is running
-    t_term = time.monotonic()
-    s.proc.send_signal(signal.SIGTERM)
-    rc = s.proc.wait(30)
+    try:
+        _until(s.url, lambda h: h["slots_free"] < h["slots_total"])  # the request is running
+        t_term = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(30)
+    finally:
+        if s.proc.poll() is None:  # a failed check must not leave the server running
+            s.proc.kill()
     t.join(30)
     assert rc == 0, s.log
     status, r = out["r"]
