@@ -5,6 +5,7 @@ server, on the same GGUF and thread count, in one run.
     python scripts/bench_serve.py                        # the embedded Gemma 3 270M, concurrency 1,2,4,8, 128 tokens
     python scripts/bench_serve.py --quick                # fewer requests, 48 tokens: a few minutes
     python scripts/bench_serve.py MODEL.gguf --concurrency 1,4 --gen 64 --json out.json
+    python scripts/bench_serve.py --quick --serve-args "--backend serial"   # the server's flags
 
 Systems: `spec off` and `spec on` are one fucina_jax server (`python -m fucina_jax.serve`), the request's
 `speculation` field choosing; `llama.cpp` is `python -m llama_cpp.server --model F --n_threads T --n_threads_batch T`
@@ -233,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="context of both servers (default 1024)")
     ap.add_argument("--quick", action="store_true", help="48 tokens, 4 requests per level at least")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    ap.add_argument("--serve-args", default="", metavar="ARGS",
+                    help="extra flags for the fucina_jax server, e.g. \"--backend serial\" or \"--max-batch 4\"")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     gen = args.gen or (48 if args.quick else 128)
@@ -256,10 +259,13 @@ def main(argv=None) -> int:
     try:
         if {"spec off", "spec on"} & set(systems):
             t0 = time.perf_counter()
-            fj = LiveServer(model, "--ctx", str(args.ctx), "--queue", "256", timeout=600)
+            fj = LiveServer(model, "--ctx", str(args.ctx), "--queue", "256", *args.serve_args.split(), timeout=600)
             servers["fucina"] = fj
             ports["spec off"] = ports["spec on"] = fj.port
-            print(f"fucina_jax server up in {time.perf_counter() - t0:.1f} s (port {fj.port})", flush=True)
+            with urllib.request.urlopen(fj.url + "/health", timeout=10) as r:
+                health = json.load(r)
+            backend = f"{health.get('backend', '?')} backend, {health['slots_total']} slots"
+            print(f"fucina_jax server up in {time.perf_counter() - t0:.1f} s ({backend})", flush=True)
         if "llama.cpp" in systems:
             t0 = time.perf_counter()
             ll = LlamaServer(model, free_port(), args.ctx, args.threads)
@@ -287,8 +293,8 @@ def main(argv=None) -> int:
     print_table(results, levels, mixes, systems)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model, "ctx": args.ctx, "gen": gen, "threads": args.threads, "results": results}, f,
-                      indent=1)
+            json.dump({"model": model, "ctx": args.ctx, "gen": gen, "threads": args.threads,
+                       "serve_args": args.serve_args, "results": results}, f, indent=1)
     return 0
 
 
