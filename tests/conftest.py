@@ -124,3 +124,15 @@ def _get_ref(path: str, **kw) -> LlamaRef:
         _REFS[key] = LlamaRef(path, **kw)
     return _REFS[key]
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """After each test module, drop the compiled programs this process holds (fucina_jax.clear_caches; the next
+    module loads the ones it needs from the persistent store). Each program keeps its machine code mapped, and one
+    process running the whole suite (every fixture model, every bucket shape) once died in XLA's executable
+    serialization near the kernel's default vm.max_map_count of 65530."""
+    yield
+    import fucina_jax
+
+    fucina_jax.clear_caches()
