@@ -203,9 +203,10 @@ def _spec_args(args):
     if args.cost_table is not None:
         import dataclasses
 
-        from fucina_jax.speculative.bench import load_cost_table
+        from fucina_jax.speculative.bench import load_batch_costs, load_cost_table
 
-        options = dataclasses.replace(options, cost_table=load_cost_table(args.cost_table))
+        options = dataclasses.replace(options, cost_table=load_cost_table(args.cost_table),
+                                      batch_costs=load_batch_costs(args.cost_table))
     return options, refs
 
 

@@ -12,9 +12,10 @@ import pytest
 
 from fucina_jax import engine
 from fucina_jax.errors import CostTableError, SpecOptionsError
-from fucina_jax.speculative import DEFAULT_COST_TABLE, CostGate, CostPoint, SpecOptions
+from fucina_jax.speculative import DEFAULT_BATCH_COSTS, DEFAULT_COST_TABLE, CostGate, CostPoint, SpecOptions
 from fucina_jax.speculative.bench import (
     DEFAULT_TABLE_PATH,
+    load_batch_costs,
     load_cost_table,
     run_spec_bench,
 )
@@ -26,7 +27,7 @@ def probe(fixture_path, load_model, tmp_path_factory):
     model = load_model(fixture_path("qwen3"))
     out = io.StringIO()
     result = run_spec_bench(model, json_path=str(d / "t.json"), png_path=str(d / "t.png"), reps=2, rounds=1,
-                            prompt_len=24, progress=False, command="test", out=out)
+                            prompt_len=24, batch_rows=(2,), progress=False, command="test", out=out)
     return result, d, out.getvalue()
 
 
@@ -38,7 +39,9 @@ def test_probe_measures_every_bucket(probe):
         assert cost == max(measured, 1.0) and math.isfinite(cost)
         assert verify_ms > 0
     assert result.plain_ms > 0
-    assert "draft slots" in printed and "--cost-table" in printed
+    assert [(r, w) for r, w, _ in result.batch] == [(2, w) for w in (1, *engine.VERIFY_BUCKETS)]
+    assert all(math.isfinite(c) and c >= 1.0 for _, _, c in result.batch)
+    assert "draft slots" in printed and "--cost-table" in printed and "C_B(16)" in printed
     with open(d / "t.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -51,10 +54,16 @@ def test_json_round_trips_into_the_gate(probe):
     assert [e["width"] for e in doc["table"]] == list(engine.VERIFY_BUCKETS)
     table = load_cost_table(d / "t.json")
     assert table == tuple(CostPoint(d_, round(c, 4)) for _, d_, c, _, _ in result.rows)
-    gate = CostGate(SpecOptions(cost_table=table))
-    # Without a clock the gate prices a verify straight from the table (never below one plain step).
+    batch = load_batch_costs(d / "t.json")
+    assert batch == tuple((r, w, round(c, 4)) for r, w, c in result.batch)
+    gate = CostGate(SpecOptions(cost_table=table, batch_costs=batch))
+    # Without a clock the gate prices a verify straight from the table (never below one plain step), and a batch
+    # step from the batch surface.
     for p in table:
         assert gate.verify_cost(p.draft_len) == pytest.approx(max(p.cost, 1.0))
+    for r, w, c in batch:
+        if w > 1:
+            assert gate.step_cost(w, rows=r) == pytest.approx(c)
 
 
 def _write(tmp_path, text):
@@ -79,11 +88,19 @@ def _write(tmp_path, text):
         ('{"format": "other", "table": [{"draft_len": 1, "cost": 1.0}]}', "format 'other'"),
         ('{"table": [{"draft_len": 1, "cost": 1%s}]}' % ("0" * 400), "cost = 1000000000"),  # past float's range
         ("[" * 100000 + "]" * 100000, "not a JSON cost table"),  # nesting past Python's recursion limit
+        ('{"table": [{"draft_len": 1, "cost": 1.0}], "batch": {}}', "'batch' must be a list"),
+        ('{"table": [{"draft_len": 1, "cost": 1.0}], "batch": [{"rows": 2, "width": 2}]}', "'rows', 'width'"),
+        ('{"table": [{"draft_len": 1, "cost": 1.0}], "batch": [{"rows": 1, "width": 2, "cost": 1}]}', "rows = 1"),
+        ('{"table": [{"draft_len": 1, "cost": 1.0}], "batch": [{"rows": 2, "width": 2, "cost": 0}]}', "cost = 0"),
+        ('{"table": [{"draft_len": 1, "cost": 1.0}], "batch": [{"rows": 2, "width": 2, "cost": 1.2}, '
+         '{"rows": 2, "width": 2, "cost": 1.3}]}', "repeats rows = 2, width = 2"),
     ],
 )
 def test_bad_files_raise(tmp_path, text, what):
     with pytest.raises(CostTableError, match=None) as e:
-        load_cost_table(_write(tmp_path, text))
+        path = _write(tmp_path, text)
+        load_cost_table(path)
+        load_batch_costs(path)
     assert what in str(e.value)
     assert isinstance(e.value, SpecOptionsError)  # callers catching option errors see it too
 
@@ -98,10 +115,12 @@ def test_shipped_default_table_is_probe_output():
     with open(DEFAULT_TABLE_PATH) as f:
         doc = json.load(f)
     assert doc["model"].startswith("gemma-3-270m")
-    assert "spec.bench" in doc["command"] or "--spec-bench" in doc["command"]
+    assert any(s in doc["command"] for s in ("spec.bench", "speculative.bench", "--spec-bench"))
     table = load_cost_table(DEFAULT_TABLE_PATH)
     assert [p.draft_len for p in table] == [w - 1 for w in engine.VERIFY_BUCKETS]
     assert table == DEFAULT_COST_TABLE  # the gate's default is this file, not a typed-in copy
+    assert load_batch_costs(DEFAULT_TABLE_PATH) == DEFAULT_BATCH_COSTS
+    assert {(r, w) for r, w, _ in DEFAULT_BATCH_COSTS} == {(r, w) for r in (2, 4, 8) for w in (1, *engine.VERIFY_BUCKETS)}
     CostGate(SpecOptions(cost_table=table))
 
 
@@ -117,7 +136,8 @@ def test_a_shipped_table_per_kernel_instruction_set():
               (("avx512", "default_cost_table.json"), ("avx2", "default_cost_table_avx2.json"))}
     for path in tables.values():
         with open(path) as f:
-            assert "spec.bench" in json.load(f)["command"]
+            command = json.load(f)["command"]
+        assert any(s in command for s in ("spec.bench", "speculative.bench"))
         assert [p.draft_len for p in load_cost_table(path)] == [w - 1 for w in engine.VERIFY_BUCKETS]
     if kernels.available():
         fast = kernels.supported_isas()[0] == "avx512" and os.environ.get("FUCINA_KERNEL_ISA") in (None, "avx512")

@@ -149,3 +149,35 @@ def test_step_costs_are_learned_per_width():
     assert gate.step_cost(16, rows=4) != gate.step_cost(16)  # a batch's costs are its own
     gate.note_step(8, 4, 6000.0)
     assert gate.step_cost(8, rows=4) == pytest.approx(6.0)
+
+
+def test_batch_steps_are_priced_from_the_batch_surface_then_a_model():
+    """A batch step: the cost table's batch surface, else the model from the single-stream curve (the batch's plain
+    step from the surface, else measured live, else C_1(rows)), then the batch's own measured EWMA."""
+    from fucina_jax.speculative import CostGate
+
+    gate = CostGate(SpecOptions(cost_table=TABLE, batch_costs=((4, 1, 1.2), (4, 4, 1.6))))
+    assert gate.step_cost(4, rows=4) == pytest.approx(1.6)  # the surface
+    c1_32 = 2.5 + (31 - 15) * (2.5 - 1.5) / 8  # past the table: along its last slope
+    assert gate.single_stream_cost(32) == pytest.approx(c1_32)
+    assert gate.step_cost(8, rows=4) == pytest.approx(1 + (c1_32 - 1.14) / 1.2)  # the model, the surface's plain
+    assert gate.step_cost(8, rows=2) == pytest.approx(1 + (2.5 - 1.05) / 1.05)  # no plain entry: C_1(2)
+    assert gate.step_cost(8, rows=2) > gate.step_cost(8)  # a batch verify costs more than one row's
+    gate.note_plain_ns(1000.0, rows=1)
+    gate.note_plain_ns(2000.0, rows=2)  # measured: the 2-row plain step costs 2 one-row steps
+    d = 1 - CostGate.UNMEASURED_DISCOUNT
+    assert gate.step_cost(8, rows=2) == pytest.approx((1 + (2.5 - 1.05) / 2) * d)
+    gate.note_step(8, 2, 3000.0)
+    assert gate.step_cost(8, rows=2) == pytest.approx(1.5)  # the batch's own measurement wins
+
+
+def test_batch_cost_model_against_the_shipped_surface():
+    """The model, given only the shipped surface's plain ratios, against the widths the surface measured: within
+    -20%..+25% everywhere, and above the measurement (an unmeasured width is not overbought) at most points."""
+    from fucina_jax.speculative import DEFAULT_BATCH_COSTS, CostGate
+
+    plain = tuple(e for e in DEFAULT_BATCH_COSTS if e[1] == 1)
+    gate = CostGate(SpecOptions(batch_costs=plain))
+    ratios = [gate.modelled_cost(w, r) / c for r, w, c in DEFAULT_BATCH_COSTS if w > 1]
+    assert len(ratios) >= 9 and all(0.8 <= x <= 1.25 for x in ratios)
+    assert sum(x >= 1 for x in ratios) >= 0.75 * len(ratios)

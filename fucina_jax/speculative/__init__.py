@@ -6,13 +6,14 @@ the drivers `generate_speculative` and `generate_batched` are in `fucina_jax.gen
 `fucina_jax.index.DraftSource` (the package's own is the `SpeculationIndex` cascade); design record sections 1-4.
 """
 
-from fucina_jax.speculative.gate import DEFAULT_COST_TABLE, MAX_DRAFT, CostGate, CostPoint, SpecOptions, table_cost
+from fucina_jax.speculative.gate import DEFAULT_BATCH_COSTS, DEFAULT_COST_TABLE, MAX_DRAFT, CostGate, CostPoint, SpecOptions, table_cost
 from fucina_jax.speculative.sources import DraftMemory, TurnBufferedSource, default_source, draft_memory, reference_ids
 
 __all__ = [
     "SpecOptions",
     "CostGate",
     "CostPoint",
+    "DEFAULT_BATCH_COSTS",
     "DEFAULT_COST_TABLE",
     "MAX_DRAFT",
     "table_cost",

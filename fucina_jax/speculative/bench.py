@@ -11,6 +11,11 @@ every step, each round times `reps` (plain, verify) pairs interleaved call by ca
 best verify / best plain; the table is the median over rounds. Interleaving puts numerator and denominator in the
 same few seconds, so load from other processes hits both alike.
 
+The batch surface: for each B in `batch_rows` (default 2, 4, 8), the same prompt in a B-row cache; each round
+times `reps` passes over the one-row plain step, the B-row plain step and the B-row step of every width, and keeps
+best / best: the B-row plain step in one-row plain steps, and each width in B-row plain steps. The decoder prices
+a batch step from it (CostGate.modelled_cost) until it has timed that step itself.
+
 A draft of d tokens runs the padded bucket of width bucket_for(d + 1), so the table is keyed by the bucket's draft
 slots (width - 1), the key the decoder prices a verify at (see speculative/gate.py). A measured cost below 1 (noise, or a
 verify of width 2 as cheap as a decode step) is entered as 1: a verify never costs less than the plain step it
@@ -22,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,6 +44,7 @@ from fucina_jax.speculative.cost_table import (
     DEFAULT_TABLE_PATH,
     FORMAT,
     FORMAT_VERSION,
+    read_batch_costs,
     read_cost_points,
 )
 from fucina_jax.speculative.gate import CostPoint, SpecOptions
@@ -46,6 +53,7 @@ __all__ = [
     "DEFAULT_TABLE_PATH",
     "CostTableResult",
     "format_cost_table",
+    "load_batch_costs",
     "load_cost_table",
     "machine_description",
     "measure_cost_table",
@@ -57,6 +65,7 @@ __all__ = [
 DEFAULT_PROMPT_LEN = 128  # cached tokens while timing
 DEFAULT_REPS = 5  # (plain, verify) pairs per width per round; the best of each is kept
 DEFAULT_ROUNDS = 3  # rounds; the median ratio is reported
+DEFAULT_BATCH_ROWS = (2, 4, 8)  # batch sizes of the batch surface
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +84,9 @@ class CostTableResult:
     rounds: int
     command: str
     seconds: float = 0.0  # wall time of the whole probe, compile included
+    # the batch surface, (rows, width, cost): width 1 = the B-row plain step in one-row plain steps, else the B-row
+    # step of that width in B-row plain steps (median over rounds of best / best)
+    batch: tuple[tuple[int, int, float], ...] = ()
 
     def cost_table(self) -> tuple[CostPoint, ...]:
         return tuple(CostPoint(d, c) for _, d, c, _, _ in self.rows)
@@ -88,6 +100,7 @@ class CostTableResult:
                 {"width": w, "draft_len": d, "cost": round(c, 4), "measured": round(m, 4), "verify_ms": round(v, 3)}
                 for w, d, c, m, v in self.rows
             ],
+            "batch": [{"rows": r, "width": w, "cost": round(c, 4)} for r, w, c in self.batch],
         }
 
 
@@ -118,10 +131,12 @@ def measure_cost_table(
     rounds: int = DEFAULT_ROUNDS,
     sampler: SamplerConfig | None = None,
     widths: Sequence[int] = engine.VERIFY_BUCKETS,
+    batch_rows: Sequence[int] = DEFAULT_BATCH_ROWS,
     progress: bool = False,
     command: str = "",
 ) -> CostTableResult:
-    """Time one verify at every width against one plain step; see the module docstring for the method."""
+    """Time one verify at every width against one plain step, and each batch size's steps against its plain step;
+    see the module docstring for the method."""
     if reps < 1 or rounds < 1:
         raise ValueError(f"reps = {reps} and rounds = {rounds}: both must be >= 1")
     for w in widths:
@@ -131,59 +146,85 @@ def measure_cost_table(
     ctx = int(ctx or model.default_ctx)
     prompt_len = max(1, min(prompt_len, ctx - max(widths) - 1))
     cfg = (sampler or SamplerConfig(seed=0)).validate()
-    sparams = cfg.params()
     cap = cfg.candidate_cap(model.config.n_vocab)
     rng = np.random.default_rng(0)
     n_vocab = model.config.n_vocab
     prompt = rng.integers(0, n_vocab, prompt_len).tolist()
-    _, cache = model.prefill(prompt, model.new_cache(ctx))
-    one_row = lambda tree: jax.device_put(jax.tree_util.tree_map(lambda x: np.asarray(x)[None], tree))
-    history = one_row(sampling.history_from_tokens(prompt, cfg.history_capacity(ctx)))
-    sparams = one_row(sparams)
     start = np.asarray([len(prompt)], np.int32)  # each call rewinds the cache to the prompt: no truncate needed
-    no_push, n_push = np.full((1, engine.STEP_WIDTHS[-1]), -1, np.int32), np.zeros(1, np.int32)
     # Random drafts: the cost of a verify does not depend on whether its rows are accepted.
-    inputs = {1: (np.asarray([[prompt[-1]]], np.int32), np.full((1, 1), -1, np.int32))}
-    for w in widths:
-        toks = rng.integers(0, n_vocab, (1, w)).astype(np.int32)
-        inputs[w] = (toks, np.concatenate([toks[:, 1:], np.full((1, 1), -1, np.int32)], axis=1))
+    drafts_of = lambda toks: np.concatenate([toks[:, 1:], np.full((toks.shape[0], 1), -1, np.int32)], axis=1)
 
-    def timed(cache, w):
-        """One fused step of width w (1: the plain decode step) as the decoder calls it."""
-        toks, drafts = inputs[w]
-        t0 = time.perf_counter()
-        sampled, _, _, _, cache = engine.decode_sample_step(model.params, toks, drafts, start, cache, history,
-                                                            no_push, n_push, sparams, model.config, cap)
-        np.asarray(sampled)  # waits for the result
-        return time.perf_counter() - t0, cache
+    def stepper(B: int):
+        """A function timing one fused step of width w (1: the plain decode step) over a B-row cache of the
+        prompt, as the decoder calls it."""
+        cache = model.new_cache(ctx, batch=B)
+        _, cache = engine.prefill(model.params, model.config, [np.asarray(prompt, np.int32)] * B, cache)
+        stack = lambda tree: jax.device_put(jax.tree_util.tree_map(lambda x: np.stack([np.asarray(x)] * B), tree))
+        history = stack(sampling.history_from_tokens(prompt, cfg.history_capacity(ctx)))
+        sparams = stack(cfg.params())
+        starts = np.repeat(start, B)
+        no_push, n_push = np.full((B, engine.STEP_WIDTHS[-1]), -1, np.int32), np.zeros(B, np.int32)
+        inputs = {1: (np.full((B, 1), prompt[-1], np.int32), np.full((B, 1), -1, np.int32))}
+        for w in widths:
+            toks = rng.integers(0, n_vocab, (B, w)).astype(np.int32)
+            inputs[w] = (toks, drafts_of(toks))
+        state = [cache]
 
-    plain = lambda cache: timed(cache, 1)
-    verify = timed
+        def timed(w):
+            toks, drafts = inputs[w]
+            t0 = time.perf_counter()
+            sampled, _, _, _, state[0] = engine.decode_sample_step(
+                model.params, toks, drafts, starts, state[0], history, no_push, n_push, sparams, model.config, cap)
+            np.asarray(sampled)  # waits for the result
+            return time.perf_counter() - t0
+        return timed
+
+    one = stepper(1)
+    plain = lambda: one(1)
+    verify = one
+    batches = {B: stepper(B) for B in batch_rows}
 
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(widths) * (rounds + 1), desc="spec-bench", unit="width", file=sys.stderr, leave=False)
-    _, cache = plain(cache)  # warm-up: compile every step once
+        bar = tqdm(total=(len(widths) + len(batches)) * (rounds + 1), desc="spec-bench", unit="step",
+                   file=sys.stderr, leave=False)
+    plain()  # warm-up: compile every step once
     for w in widths:
-        _, cache = verify(cache, w)
+        verify(w)
+        if bar is not None:
+            bar.update(1)
+    for step in batches.values():
+        for w in (1, *widths):
+            step(w)
         if bar is not None:
             bar.update(1)
     ratios: dict[int, list[float]] = {w: [] for w in widths}
     verify_s: dict[int, list[float]] = {w: [] for w in widths}
+    batch_ratios: dict[tuple[int, int], list[float]] = {(B, w): [] for B in batches for w in (1, *widths)}
     plains: list[float] = []
     for _ in range(rounds):
         for w in widths:
             tp, tv = [], []
             for _ in range(reps):
-                t, cache = plain(cache)
-                tp.append(t)
-                t, cache = verify(cache, w)
-                tv.append(t)
+                tp.append(plain())
+                tv.append(verify(w))
             plains.append(min(tp))
             verify_s[w].append(min(tv))
             ratios[w].append(min(tv) / min(tp))
+            if bar is not None:
+                bar.update(1)
+        for B, step in batches.items():  # each batch width against the batch's plain step, and that one against 1
+            best = {w: math.inf for w in (1, *widths)}
+            best_one = math.inf
+            for _ in range(reps):
+                best_one = min(best_one, plain())
+                for w in best:
+                    best[w] = min(best[w], step(w))
+            batch_ratios[B, 1].append(best[1] / best_one)
+            for w in widths:
+                batch_ratios[B, w].append(best[w] / best[1])
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -197,6 +238,7 @@ def measure_cost_table(
             timespec="seconds"), machine=machine_description(), plain_ms=statistics.median(plains) * 1e3,
         rows=tuple(rows), ctx=ctx, cached_tokens=len(prompt), sampler=_sampler_name(cfg), reps=reps, rounds=rounds,
         command=command, seconds=time.perf_counter() - t_start,
+        batch=tuple((B, w, max(statistics.median(r), 1.0)) for (B, w), r in batch_ratios.items()),
     )
 
 
@@ -219,6 +261,14 @@ def format_cost_table(result: CostTableResult) -> str:
         lines.append(
             f"{w:5d}  {d:13d}  {c:16.2f}{raw}  {v:9.1f}  {100 * (c - 1) / d:27.0f}%  {100 * min(c / d, 9.99):15.0f}%"
         )
+    if result.batch:
+        widths = sorted({w for _, w, _ in result.batch if w > 1})
+        lines.append("batch rows B  plain B-row step (1-row steps)  " +
+                     "  ".join(f"C_B({w})" for w in widths) + "  (B-row plain steps)")
+        cost = {(r, w): c for r, w, c in result.batch}
+        for r in sorted({r for r, _, _ in result.batch}):
+            lines.append(f"{r:12d}  {cost.get((r, 1), math.nan):30.2f}  " +
+                         "  ".join(f"{cost.get((r, w), math.nan):7.2f}" for w in widths))
     return "\n".join(lines)
 
 
@@ -239,6 +289,12 @@ def load_cost_table(path: str | os.PathLike) -> tuple[CostPoint, ...]:
     table = tuple(CostPoint(d, c) for d, c in read_cost_points(path))
     SpecOptions(cost_table=table).validate()  # the gate's own rules; read_cost_points' checks make this pass
     return table
+
+
+def load_batch_costs(path: str | os.PathLike) -> tuple[tuple[int, int, float], ...]:
+    """The batch surface of a --spec-bench JSON file (() when it has none): pass it as
+    SpecOptions(batch_costs=...). Raises CostTableError like load_cost_table."""
+    return tuple(read_batch_costs(path))
 
 
 # How to get the plot when matplotlib is missing (it is in the [bench] extra only, not a dependency).
@@ -285,13 +341,13 @@ def plot_cost_table(result: CostTableResult, path: str | os.PathLike) -> str:
 
 def run_spec_bench(model, *, json_path: str | None, png_path: str | None, ctx: int | None = None,
                    sampler: SamplerConfig | None = None, reps: int = DEFAULT_REPS, rounds: int = DEFAULT_ROUNDS,
-                   prompt_len: int = DEFAULT_PROMPT_LEN, progress: bool = True, command: str = "",
-                   out=None) -> CostTableResult:
+                   prompt_len: int = DEFAULT_PROMPT_LEN, batch_rows: Sequence[int] = DEFAULT_BATCH_ROWS,
+                   progress: bool = True, command: str = "", out=None) -> CostTableResult:
     """Measure, print the table (to `out`, default stdout), write the JSON and the PNG (either path may be None
     to skip it). Without matplotlib the PNG is skipped with one line saying so and how to get it."""
     out = out or sys.stdout
     result = measure_cost_table(model, ctx=ctx, sampler=sampler, reps=reps, rounds=rounds, prompt_len=prompt_len,
-                                progress=progress, command=command)
+                                batch_rows=batch_rows, progress=progress, command=command)
     print(format_cost_table(result), file=out)
     if json_path:
         save_cost_table(result, json_path)
@@ -323,12 +379,21 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed pairs per width per round")
     ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds (the median is kept)")
     ap.add_argument("--greedy", action="store_true", help="time the greedy sampler (default: the CLI's sampler)")
+    ap.add_argument("--batch-rows", default=",".join(map(str, DEFAULT_BATCH_ROWS)),
+                    help="batch sizes of the batch surface, comma-separated ('' = none)")
     args = ap.parse_args(argv)
+    try:
+        batch_rows = tuple(int(x) for x in args.batch_rows.split(",") if x.strip())
+    except ValueError:
+        batch_rows = (0,)
+    if any(b < 2 for b in batch_rows):
+        ap.error(f"--batch-rows {args.batch_rows!r}: give comma-separated integers >= 2, e.g. 2,4,8 (or '')")
     model = fucina_jax.load(args.model)
     sampler = SamplerConfig(temperature=0.0, seed=0) if args.greedy else SamplerConfig(seed=0)
     command = "python -m fucina_jax.speculative.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     run_spec_bench(model, json_path=args.json or None, png_path=args.png or None, ctx=args.ctx or None,
-                   sampler=sampler, reps=args.reps, rounds=args.rounds, command=command.strip())
+                   sampler=sampler, reps=args.reps, rounds=args.rounds, batch_rows=batch_rows,
+                   command=command.strip())
     return 0
 
 
