@@ -258,7 +258,9 @@ class Decoder:
     ctx: token positions per row (default: the model's). capacity: KV cache slots per row (default ctx; a one-shot
     run fits it to prompt + max_tokens, models.fitted_capacity). options: the speculation knobs and gate policy
     (enabled=False: plain decoding). clock (ns, e.g. time.perf_counter_ns) turns on the gate's live cost model.
-    on_verify_row: the replay-equivalence instrument (VerifyRowHook), B = 1 only.
+    on_verify_row: the replay-equivalence instrument (VerifyRowHook), B = 1 only. steps: where the compiled steps
+    come from (prefill, prepare_prefill, sample_step, decode_sample_step, decode_sample_rows_step with engine's
+    signatures): engine itself, or speculative.replay's oracle, which answers from a recorded plain run.
     """
 
     def __init__(
@@ -271,12 +273,14 @@ class Decoder:
         options: SpecOptions | None = None,
         clock: Callable[[], int] | None = None,
         on_verify_row: VerifyRowHook | None = None,
+        steps=engine,
     ):
         if not is_int(batch) or batch < 1:
             raise ValueError(f"batch = {batch!r}: at least one row is needed")
         if on_verify_row is not None and batch != 1:
             raise ValueError("on_verify_row instruments one row: use batch = 1")
         self.model = model
+        self.steps = steps
         self.B = int(batch)
         self.ctx = model.check_ctx(ctx)
         self.capacity = min(int(capacity or self.ctx), self.ctx)
@@ -382,7 +386,7 @@ class Decoder:
         positions = np.asarray([r.n if r is not None else 0 for r in self.rows], np.int32)
         if self.on_verify_row is not None:
             self.on_verify_row(int(positions[0]), 0, np.asarray(logits)[0])
-        sampled_dev = engine.sample_step(logits, positions, self.history, self._sparams, self._cap)
+        sampled_dev = self.steps.sample_step(logits, positions, self.history, self._sparams, self._cap)
         sampled = np.asarray(sampled_dev)
         out: list[Outcome | None] = [None] * self.B
         n_new = np.zeros(self.B, np.int32)
@@ -470,12 +474,12 @@ class Decoder:
         cache, self.cache = self.cache, None  # donated below
         try:
             if n_step == self.B:
-                sampled_dev, self.history, logits, topk, self.cache = engine.decode_sample_step(
+                sampled_dev, self.history, logits, topk, self.cache = self.steps.decode_sample_step(
                     self.model.params, toks, dr, start, cache, self.history, self._pushed, self._n_pushed,
                     self._sparams, self.model.config, self._cap, wants_topk=wants_topk, with_logits=hook is not None,
                 )
             else:
-                sampled_dev, self.history, logits, topk, self.cache = engine.decode_sample_rows_step(
+                sampled_dev, self.history, logits, topk, self.cache = self.steps.decode_sample_rows_step(
                     self.model.params, toks, dr, np.asarray(order, np.int32), start, cache, self.history,
                     self._pushed, self._n_pushed, self._sparams, self.model.config, self._cap,
                     wants_topk=wants_topk, with_logits=hook is not None,
@@ -630,13 +634,13 @@ class Decoder:
         if self.cache is None:
             self.cache = self.model.new_cache(self.capacity, self.B)
         prompts = [None if r is None else np.asarray(r.prompt, np.int32) for r in requests]
-        engine.prepare_prefill(self.model.params, self.model.config, prompts, self.cache)
+        self.steps.prepare_prefill(self.model.params, self.model.config, prompts, self.cache)
 
     def _prefill(self, prompts: list[np.ndarray | None]) -> jax.Array:
         if self.cache is None:
             self.cache = self.model.new_cache(self.capacity, self.B)
         cache, self.cache = self.cache, None
-        logits, self.cache = engine.prefill(self.model.params, self.model.config, prompts, cache)
+        logits, self.cache = self.steps.prefill(self.model.params, self.model.config, prompts, cache)
         return logits
 
     def state(self):
