@@ -45,6 +45,17 @@ SHORT_TASKS = {
         {"class": "free_form", "id": "free_form/0", "temperature": 0.8, "continuation": "Once", "chat": []},
         {"class": "sampled_grounded_copy", "id": "sampled_grounded_copy/a", "temperature": 0.7,
          "continuation": "text: {a}\ncopy: {a}\ncopy:", "chat": []},
+        {"class": "mt_chat", "id": "mt_chat/a", "temperature": 0.0,
+         "continuation": "User: hi\nAssistant: {a}\nUser: say it shorter\nAssistant:", "chat": []},
+        {"class": "translation", "id": "translation/a", "temperature": 0.0, "continuation": "English: {a}\nFrench:",
+         "chat": []},
+        {"class": "summarization", "id": "summarization/a", "temperature": 0.0,
+         "continuation": "{a} {b}\nSummary:", "chat": []},
+        {"class": "qa", "id": "qa/a", "temperature": 0.0, "continuation": "Q: where did the cat sit?\nA:", "chat": []},
+        {"class": "math_reasoning", "id": "math_reasoning/a", "temperature": 0.0,
+         "continuation": "2 + 3 * 4 =? Step by step:", "chat": []},
+        {"class": "rag", "id": "rag/a", "temperature": 0.0, "continuation": "Passage: {a}\nWhere did the dog sit?",
+         "chat": []},
     ],
 }
 
@@ -65,14 +76,31 @@ def test_quick_mode_runs_and_spec_equals_plain(bench, fixture_path, load_model, 
     # the copy tasks hand the cascade something to draft: at least one verify ran somewhere
     assert sum(r["verify_steps"] for r in rows) > 0
     meta = {"date": "today", "machine": "test", "mode": "quick", "gen": 20, "reps": 1, "ctx": 512, "seed": 1, "command": "test",
-                "seconds": 1.0}
+                "seconds": 1.0, "memory": "cold"}
     summary, md, png = bench.write_report(rows, meta, str(tmp_path))
     assert len(summary) == len(bench.CLASSES)
     with open(md) as f:
         text = f.read()
     assert "| fixture | grounded_copy/a |" in text and "spec/plain" in text
+    assert [g["group"] for g in bench.group_means(summary)] == ["spec_bench"] and "| fixture | spec_bench | 6 |" in text
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_warm_draft_memory(bench, fixture_path, load_model, tmp_path):
+    """--warm: task i feeds memory i % 2 untimed, its timed runs read the other one, and they still equal plain."""
+    tasks_path = tmp_path / "tasks.json"
+    tasks_path.write_text(json.dumps(SHORT_TASKS))
+    path = fixture_path("qwen3")
+    model = load_model(path)
+    tasks = bench.load_tasks(model, "continuation", quick=True, path=str(tasks_path),
+                             classes=("grounded_copy", "verbatim_repetition", "qa"))
+    runner = bench.Runner("fixture", model, path, ctx=512, gen=12, seed=1, llama=False, warm=True)
+    rows = bench.bench_model(runner, tasks, reps=2)
+    assert runner.reads == {t.id: 1 - i % 2 for i, t in enumerate(tasks)}
+    assert all(outputs.n_outputs for _, outputs in runner.memories)  # both halves hold their tasks' outputs
+    assert [r["memory"] for r in rows] == ["warm"] * 3
+    assert all(r["spec_equal"] for r in rows), [r["id"] for r in rows if not r["spec_equal"]]
 
 
 def test_shipped_task_file(bench, fixture_path, load_model):
