@@ -157,24 +157,26 @@ def test_summary_line_format():
 # ---- muting -----------------------------------------------------------------------------------------
 
 
-def _bad_round(ix: SpeculationIndex, k: int, junk: int) -> None:
-    """The reference drafts 6 tokens after 'k k+1'; only 1 is committed (1/6 accepted)."""
+def _round(ix: SpeculationIndex, k: int, junk: int, hit: bool) -> None:
+    """The reference drafts 6 tokens after 'k k+1'; then its first token and a miss are committed (hit: 1 accepted
+    of 2 decided positions) or a miss alone (0 of 1)."""
     ix.observe(arr(k, k + 1))
     assert suggest(ix) == list(range(k + 2, k + 8))
-    ix.observe(arr(k + 2, junk))
+    ix.observe(arr(k + 2, junk) if hit else arr(junk))
 
 
 def test_mute_after_a_full_window_below_20_percent_then_reprobe_with_a_fresh_window():
+    """The window holds decided positions (accepted tokens and first misses), not whole drafts."""
     ix = SpeculationIndex(V, recycling=False)
     ix.add_reference(np.arange(0, 4000, dtype=np.int32))  # distinct tokens: the conversation never repeats
     k, junk = 0, 4000
-    for _ in range(10):  # 60 drafted tokens: the window is not full yet, no verdict
-        _bad_round(ix, k, junk)
+    for i in range(53):  # 10 hits (20 decided) + 43 misses: 63 decided positions, the window is not full yet
+        _round(ix, k, junk, hit=i < 10)
         k, junk = k + 10, junk + 1
-    assert stats(ix)["ref0"] == (10, 60, False)
-    _bad_round(ix, k, junk)  # 66 drafted; the last 64 hold 10 accepted = 15.6% < 20%
+    assert stats(ix)["ref0"] == (10, 318, False)
+    _round(ix, k, junk, hit=False)  # 64 decided; 10 accepted = 15.6% < 20%
     k, junk = k + 10, junk + 1
-    assert stats(ix)["ref0"] == (11, 66, True)
+    assert stats(ix)["ref0"] == (10, 324, True)
     muted_at = ix.n_committed
     # muted for 128 committed tokens: no drafts although the cursor matches the document ...
     while ix.n_committed < muted_at + 127:
@@ -182,34 +184,38 @@ def test_mute_after_a_full_window_below_20_percent_then_reprobe_with_a_fresh_win
         k += 1
         assert suggest(ix) == []
     assert ix._cursors[0].match_len == 127  # ... because it kept observing while muted
-    assert stats(ix)["ref0"][2] and "ref0 11/66 [muted]" in ix.summary()
+    assert stats(ix)["ref0"][2] and "ref0 10/324 [muted]" in ix.summary()
     ix.observe(arr(k))  # the 128th committed token since the mute: re-probe
     k += 1
     assert not stats(ix)["ref0"][2]
     draft = suggest(ix)  # in sync at once: the document's continuation, budget capped at 32
     assert draft == list(range(k, k + 32))
-    # a fresh window: a bad round (1 of 32 accepted) cannot re-mute it, a kept old window would have
-    ix.observe(arr(draft[0], 4999))
-    assert stats(ix)["ref0"] == (12, 98, False)
+    # a fresh window: a bad round cannot re-mute it, a kept old window would have
+    ix.observe(arr(4999))
+    assert stats(ix)["ref0"] == (10, 356, False)
 
 
 def test_mute_threshold_is_strictly_below_20_percent():
     policy = CascadePolicy()
     ok = _Source("s", policy.mute_window)
-    ok.record(64, 13, policy, n_committed=100)  # 13/64 = 20.3%
+    ok.record(64, 13, 64, policy, n_committed=100)  # 13/64 = 20.3%
     assert not ok.muted
     bad = _Source("s", policy.mute_window)
-    bad.record(64, 12, policy, n_committed=100)  # 12/64 = 18.75%
+    bad.record(64, 12, 64, policy, n_committed=100)  # 12/64 = 18.75%
     assert bad.muted and bad.muted_until == 228
     bad.maybe_reprobe(227)
     assert bad.muted
     bad.maybe_reprobe(228)
     assert not bad.muted and len(bad.window) == 0
     partial = _Source("s", policy.mute_window)
-    partial.record(63, 0, policy, n_committed=5)  # not full: no verdict
+    partial.record(63, 0, 63, policy, n_committed=5)  # not full: no verdict
     assert not partial.muted
-    partial.record(1, 1, policy, n_committed=6)  # full: 1/64
+    partial.record(1, 1, 1, policy, n_committed=6)  # full: 1/64
     assert partial.muted
+    undecided = _Source("s", policy.mute_window)
+    for _ in range(64):  # long drafts of which one position was decided each time (cut, or not verified): 1/1
+        undecided.record(8, 1, 1, policy, n_committed=7)
+    assert not undecided.muted and undecided.window_sum == 64 and undecided.drafted == 512
 
 
 def test_muted_conversation_falls_back_to_recycling_and_keeps_indexing():

@@ -21,8 +21,10 @@ shorter than `min_match` fall through to recycling; an unseen recycling row draf
 plain step.
 
 Per-source muting (the source-selection gate; the decoder's cost gate owns the global economics): each
-source keeps a rolling window over its last 64 drafted tokens; when a full window is below 20% accepted
-the source sits out the next 128 committed tokens, then is re-probed with a fresh window. Muted sources
+source keeps a rolling window over its last 64 decided draft positions (the accepted tokens and each first
+miss: a position past a miss was never tried, and the decoder may verify a cut draft or none of it); when a
+full window is below 20% accepted the source sits out the next 128 committed tokens, then is re-probed with a
+fresh window. Muted sources
 keep observing, so they are in sync when they come back. Acceptance is inferred at the suggest -> observe
 seam as the longest common prefix of the draft and the next committed slice: a heuristic for selection
 only; what gets committed never depends on it.
@@ -96,11 +98,15 @@ class _Source:
     def muted(self) -> bool:
         return self.muted_until >= 0
 
-    def record(self, drafted: int, accepted: int, policy: CascadePolicy, n_committed: int) -> None:
+    def record(self, drafted: int, accepted: int, decided: int, policy: CascadePolicy, n_committed: int) -> None:
+        """A draft of `drafted` tokens met the next committed slice: the first `accepted` matched. The window takes
+        only the `decided` positions (the accepted ones and the first miss): past a miss a token was never tried,
+        and a draft the decoder cut or did not verify (the economics, a plain step) is no evidence against its
+        tail."""
         self.drafted += drafted
         self.accepted += accepted
         w = self.window
-        for outcome in [1] * accepted + [0] * (drafted - accepted):
+        for outcome in [1] * accepted + [0] * (decided - accepted):
             if len(w) == w.maxlen:
                 self.window_sum -= w[0]
             w.append(outcome)
@@ -228,7 +234,7 @@ class SpeculationIndex:
             m = min(len(draft), k)
             same = draft[:m] == toks[:m]
             accepted = m if same.all() else int(np.argmin(same))
-            src.record(len(draft), accepted, self.policy, n_after)
+            src.record(len(draft), accepted, min(accepted + 1, m), self.policy, n_after)
         if k:
             if not self._conversation.poisoned:
                 try:
