@@ -17,7 +17,8 @@ Mixes (bench/tasks/tasks.json, continuation prompts for a base model, POST /v1/c
   grounded   the prompt holds a document the answer copies (grounded_copy, code_edit), greedy;
   free-form  open continuations (free_form), sampled as the tasks say (top-k 40, top-p 0.95, min-p 0.05, a seed).
 At each concurrency c, c client threads send the mix's requests back to back (N requests in all, cycling over the
-prompts); the systems take turns per (mix, concurrency), so machine drift hits them alike. Each system first
+prompts); the systems take turns per (mix, concurrency), so machine drift hits them alike, and the server not
+serving is stopped (SIGSTOP) for the turn: an idle llama_cpp.server spins. Each system first
 serves every prompt of the mix once, unmeasured (fucina compiles its prefill buckets and verify widths there).
 
 Reported per (mix, c, system): aggregate tok/s (completion tokens of all N requests / the level's wall time), time to
@@ -28,10 +29,12 @@ p50 and p95 over the requests; then the ratios spec on / spec off and each / lla
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -273,14 +276,17 @@ def main(argv=None) -> int:
             ports["llama.cpp"] = int(ll.url.rsplit(":", 1)[1])
             print(f"llama_cpp.server up in {time.perf_counter() - t0:.1f} s", flush=True)
         results = []
+        owner = {"spec off": "fucina", "spec on": "fucina", "llama.cpp": "llama"}
         for mix_name in mixes:
             mix = load_mix(mix_name)
             for system in systems:  # warm-up: every prompt once, unmeasured
-                run_level(ports[system], bodies(mix, system, len(mix), gen), 1, args.timeout)
+                with alone(servers, owner[system]):
+                    run_level(ports[system], bodies(mix, system, len(mix), gen), 1, args.timeout)
             for c in levels:
                 n = max(per_level, 2 * c)
                 for system in systems:
-                    r = run_level(ports[system], bodies(mix, system, n, gen), c, args.timeout)
+                    with alone(servers, owner[system]):
+                        r = run_level(ports[system], bodies(mix, system, n, gen), c, args.timeout)
                     r.update(mix=mix_name, concurrency=c, system=system)
                     results.append(r)
                     print(f"  {mix_name:9s} c={c} {system:9s} {r['tok_s']:7.1f} tok/s  TTFT p50 "
@@ -296,6 +302,20 @@ def main(argv=None) -> int:
             json.dump({"model": model, "ctx": args.ctx, "gen": gen, "threads": args.threads,
                        "serve_args": args.serve_args, "results": results}, f, indent=1)
     return 0
+
+
+@contextlib.contextmanager
+def alone(servers: dict, running: str):
+    """The other servers' processes stopped (SIGSTOP) while `running` serves, continued after: an idle
+    llama_cpp.server's threads keep spinning (66% of a core measured), which would tax whichever system runs next."""
+    paused = [s.proc for name, s in servers.items() if name != running and s.proc.poll() is None]
+    for proc in paused:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for proc in paused:
+            os.kill(proc.pid, signal.SIGCONT)
 
 
 def print_table(results, levels, mixes, systems) -> None:

@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Speculation policies replayed offline (fucina_jax.speculative.replay) on the suite's tasks, and confirmed live.
+
+    python bench/replay.py                                  # SmolLM2 chat + Gemma 3 completion, the spec_bench group
+    python bench/replay.py --models smollm2 --classes qa,rag --gen 64 --live 3
+    python bench/replay.py --classes spec_bench,grounded_copy --policies economics,gate,fixed3
+
+Each task (bench/tasks/tasks.json, as bench/run.py loads it: chat on SmolLM2, continuation on Gemma 3) is decoded
+plainly once and recorded (every sampled id and its top-K; kept in --cache, keyed by model, task, tokens and
+sampler, so a second run replays at once). Each policy is then replayed through the real decoder against the
+shipped cost model (the cost table and its batch surface, speculative/replay.cost_model) with a cold source: a
+private SpeculationIndex with the task's reference, as bench/run.py's default. Printed: the predicted decode
+speed-up (plain time / speculative time at that cost curve), tokens per step, and per class and group the
+geometric means.
+
+--live N also decodes each task live, plain and speculative (the default policy) interleaved N times, and prints
+the measured speed-up (median of the per-repetition ratios) next to the prediction: the replay's check.
+
+Policies: economics (the default SpecOptions), gate (the design record's gate), fixed3 (the gate never off, drafts
+of 1-3 tokens, no adaptive budget: issue 27's fixed setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from run import GROUPS, _sampler, load_tasks, model_path  # noqa: E402  (bench/run.py's task set)
+
+STYLE = {"gemma3": "continuation", "smollm2": "chat"}
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "fucina_jax", "recordings")
+
+
+def policies():
+    from fucina_jax.speculative import SpecOptions
+
+    return {
+        "economics": SpecOptions(),
+        "gate": SpecOptions(policy="gate"),
+        "fixed3": SpecOptions(policy="gate", max_draft=3, min_draft=1, min_speedup=0.0, adapt_budget=False),
+    }
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return math.exp(statistics.mean(math.log(x) for x in xs)) if xs else float("nan")
+
+
+def recording(model, name, task, gen, ctx, cache_dir):
+    """The task's plain run, recorded once (cached on disk)."""
+    from fucina_jax.speculative import replay as R
+
+    sampler = _sampler(task, 1)
+    key = hashlib.sha256(repr((os.path.basename(model.path), task.id, task.prompt_ids, gen, ctx,
+                               sampler)).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"{name}-{task.id.replace(os.sep, '_')}-{key}.npz")
+    if os.path.exists(path):
+        try:
+            return R.Recording.load(path)
+        except ValueError as e:
+            print(f"  (re-recording {task.id}: {e})", file=sys.stderr)
+    rec = R.record(model, task.prompt_ids, max_tokens=gen, sampler=sampler, ctx=ctx)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = path + ".tmp"
+    rec.save(tmp)
+    os.replace(tmp, path)
+    return rec
+
+
+def live_ratio(model, task, gen, ctx, reps):
+    """Measured decode speed-up of the default policy over plain, interleaved, median of per-repetition ratios."""
+    from fucina_jax.generate import generate, generate_speculative
+    from fucina_jax.speculative.sources import default_source
+
+    kw = dict(max_tokens=gen, sampler=_sampler(task, 1), ctx=ctx)
+    refs = [task.reference_ids] if task.reference_ids else []
+
+    def spec():
+        src = default_source(model, None, refs, persist=False)
+        return generate_speculative(model, task.prompt_ids, source=src, persist=False, **kw).run()
+
+    plain = lambda: generate(model, task.prompt_ids, **kw).run()
+    want = plain().tokens  # warm-up (compiles)
+    assert spec().tokens == want
+    ratios = []
+    for i in range(reps):
+        order = (plain, spec) if i % 2 == 0 else (spec, plain)
+        got = {f: f() for f in order}
+        assert got[spec].tokens == want, f"{task.id}: the speculative stream differs from the plain one"
+        ratios.append(got[spec].decode_tps / got[plain].decode_tps)
+    return statistics.median(ratios)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--classes", default="spec_bench", help="class names or groups (spec_bench), comma-separated")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--policies", default="economics,gate,fixed3")
+    ap.add_argument("--cache", default=DEFAULT_CACHE, help="where recordings are kept ('' = a temporary directory)")
+    ap.add_argument("--live", type=int, default=0, help="also measure each task live, N interleaved repetitions")
+    args = ap.parse_args(argv)
+
+    import tempfile
+
+    import fucina_jax
+    from fucina_jax.speculative import replay as R
+    from fucina_jax.speculative.sources import default_source
+
+    classes = []
+    for c in args.classes.split(","):
+        classes.extend(GROUPS.get(c.strip(), (c.strip(),)))
+    pols = policies()
+    chosen = [p.strip() for p in args.policies.split(",")]
+    bad = [p for p in chosen if p not in pols]
+    if bad:
+        ap.error(f"--policies: unknown {bad}; known: {', '.join(pols)}")
+    cache_dir = args.cache or tempfile.mkdtemp(prefix="fucina_recordings_")
+    cost = R.cost_model()
+    header = f"{'model':8s} {'task':26s} {'tok':>4s} " + " ".join(f"{p:>9s} {'t/st':>4s}" for p in chosen)
+    if args.live:
+        header += f" {'live':>6s}"
+    print(header, flush=True)
+    per_class: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for name in args.models.split(","):
+        model = fucina_jax.load(model_path(name))
+        tasks = load_tasks(model, STYLE[name], classes=tuple(classes))
+        for task in tasks:
+            rec = recording(model, name, task, args.gen, args.ctx, cache_dir)
+            refs = [task.reference_ids] if task.reference_ids else []
+            cells, cls = [], per_class.setdefault((name, task.cls), {})
+            for p in chosen:
+                rp = R.replay([rec], sources=[default_source(model, None, refs, persist=False)], options=pols[p],
+                              cost=cost)
+                cls.setdefault(p, []).append(rp.speedup)
+                cells.append(f"{rp.speedup:8.2f}x {rp.tok_per_step:4.2f}")
+            line = f"{name:8s} {task.id[:26]:26s} {len(rec.generated):4d} " + " ".join(cells)
+            if args.live:
+                r = live_ratio(model, task, args.gen, args.ctx, args.live)
+                cls.setdefault("live", []).append(r)
+                line += f" {r:5.2f}x"
+            print(line, flush=True)
+    cols = chosen + (["live"] if args.live else [])
+    print("\nper class (geometric mean over its tasks):")
+    for (name, c), d in per_class.items():
+        print(f"  {name:8s} {c:24s} " + " ".join(f"{k} {_geomean(v):.2f}x" for k, v in d.items()))
+    for group, members in GROUPS.items():
+        for name in args.models.split(","):
+            means = {k: [_geomean(d[k]) for (n, c), d in per_class.items() if n == name and c in members and k in d]
+                     for k in cols}
+            if any(means.values()):
+                print(f"{group} {name}: " + ", ".join(f"{k} {_geomean(v):.3f}x" for k, v in means.items() if v))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
