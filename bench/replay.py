@@ -8,7 +8,8 @@
 Each task (bench/tasks/tasks.json, as bench/run.py loads it: chat on SmolLM2, continuation on Gemma 3) is decoded
 plainly once and recorded (every sampled id and its top-K; kept in --cache, keyed by model, task, tokens and
 sampler, so a second run replays at once). Each policy is then replayed through the real decoder against the
-shipped cost model (the cost table and its batch surface, speculative/replay.cost_model) with a cold source: a
+shipped cost model (the cost table and its batch surface, speculative/replay.cost_model; --cost-table prices a model
+with its own --spec-bench table, which the policy then starts from too) with a cold source: a
 private SpeculationIndex with the task's reference, as bench/run.py's default. Printed: the predicted decode
 speed-up (plain time / speculative time at that cost curve), tokens per step, and per class and group the
 geometric means.
@@ -23,6 +24,7 @@ of 1-3 tokens, no adaptive budget: issue 27's fixed setting).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import os
@@ -106,6 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="economics,gate,fixed3")
     ap.add_argument("--cache", default=DEFAULT_CACHE, help="where recordings are kept ('' = a temporary directory)")
     ap.add_argument("--live", type=int, default=0, help="also measure each task live, N interleaved repetitions")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sample every task at this temperature (with bench/run.py's top-k/top-p/min-p) instead of "
+                         "each task's own setting")
+    ap.add_argument("--cost-table", action="append", default=[], metavar="MODEL=FILE",
+                    help="price MODEL's steps with a --spec-bench table (default: the shipped one), repeatable")
     args = ap.parse_args(argv)
 
     import tempfile
@@ -123,7 +130,15 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--policies: unknown {bad}; known: {', '.join(pols)}")
     cache_dir = args.cache or tempfile.mkdtemp(prefix="fucina_recordings_")
-    cost = R.cost_model()
+    from fucina_jax.speculative import SpecOptions
+    from fucina_jax.speculative.bench import load_batch_costs, load_cost_table
+
+    tables = {}
+    for item in args.cost_table:
+        name, sep, path = item.partition("=")
+        if not sep:
+            ap.error(f"--cost-table {item!r}: give MODEL=FILE, e.g. smollm2=spec_bench.json")
+        tables[name] = SpecOptions(cost_table=load_cost_table(path), batch_costs=load_batch_costs(path))
     header = f"{'model':8s} {'task':26s} {'tok':>4s} " + " ".join(f"{p:>9s} {'t/st':>4s}" for p in chosen)
     if args.live:
         header += f" {'live':>6s}"
@@ -131,13 +146,18 @@ def main(argv=None) -> int:
     per_class: dict[tuple[str, str], dict[str, list[float]]] = {}
     for name in args.models.split(","):
         model = fucina_jax.load(model_path(name))
+        priced = tables.get(name, SpecOptions())
+        cost = R.cost_model(priced)
         tasks = load_tasks(model, STYLE[name], classes=tuple(classes))
+        if args.temperature is not None:
+            tasks = [dataclasses.replace(t, temperature=args.temperature) for t in tasks]
         for task in tasks:
             rec = recording(model, name, task, args.gen, args.ctx, cache_dir)
             refs = [task.reference_ids] if task.reference_ids else []
             cells, cls = [], per_class.setdefault((name, task.cls), {})
             for p in chosen:
-                rp = R.replay([rec], sources=[default_source(model, None, refs, persist=False)], options=pols[p],
+                options = dataclasses.replace(pols[p], cost_table=priced.cost_table, batch_costs=priced.batch_costs)
+                rp = R.replay([rec], sources=[default_source(model, None, refs, persist=False)], options=options,
                               cost=cost)
                 cls.setdefault(p, []).append(rp.speedup)
                 cells.append(f"{rp.speedup:8.2f}x {rp.tok_per_step:4.2f}")
