@@ -54,7 +54,7 @@ import weakref
 import jax
 import numpy as np
 
-__all__ = ["COMPILED", "LOADED", "TRACED", "clear", "events", "jit"]
+__all__ = ["BACKGROUND", "COMPILED", "LOADED", "TRACED", "BackgroundPreparer", "PREPARER", "clear", "events", "jit", "spec_of"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,10 @@ def jit(fun=None, *, static_argnames=(), donate_argnames=()):
 
 
 _STEPS: weakref.WeakSet = weakref.WeakSet()  # every Step, for clear()
+# Programs brought in by prepare_in_background's thread, per function name (not in TRACED or LOADED: its traces and
+# loads are no call's, so events() does not move for them).
+BACKGROUND: collections.Counter = collections.Counter()
+_local = threading.local()  # .background: this thread is the background preparer
 
 
 def events() -> int:
@@ -93,6 +97,73 @@ def events() -> int:
     return sum(TRACED.values()) + sum(LOADED.values())
 
 
+def spec_of(x):
+    """An array's jax.ShapeDtypeStruct (what Step.prepare and Step.ready take in its place); anything else as is."""
+    if _is_array(x):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
+    return x
+
+
+class BackgroundPreparer:
+    """One daemon thread that brings programs in (`Step.prepare`) while the caller goes on: `submit(step, key, args,
+    kwargs)` queues a program once per (step, key) (key: `step.program_key(...)`; array arguments are taken as their
+    shapes at once, so the caller may donate or free them), and `step.has(key)` then says whether it is in. Its traces and loads are counted in BACKGROUND,
+    not in events(): no call of the caller's made them. A program that fails to prepare is reported as done, so a
+    call brings it in (and raises) the usual way."""
+
+    def __init__(self):
+        self._queued: set = set()
+        self._jobs = None
+        self._thread = None
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def stop(self, timeout: float = 120.0) -> None:
+        """No more jobs; wait (up to `timeout` s) for the one in progress: a process must not exit while this thread
+        is inside XLA (the interpreter's teardown would abort it). Runs at exit (atexit)."""
+        with self._lock:
+            self._stopped = True
+            thread, jobs = self._thread, self._jobs
+        if thread is not None:
+            jobs.put(None)
+            thread.join(timeout)
+
+    def submit(self, step: Step, key, args: tuple, kwargs: dict) -> None:
+        with self._lock:
+            if self._stopped or (step.name, key) in self._queued:
+                return
+            self._queued.add((step.name, key))
+            if self._jobs is None:
+                import atexit
+                import queue
+
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._run, name="fucina-prepare", daemon=True)
+                self._thread.start()
+                atexit.register(self.stop)
+        specs = jax.tree_util.tree_map(spec_of, (args, kwargs))
+        self._jobs.put((step, key, specs))
+
+    def _run(self) -> None:
+        _local.background = True
+        while True:
+            job = self._jobs.get()
+            if job is None or self._stopped:
+                return
+            step, key, (args, kwargs) = job
+            try:
+                step.prepare(*args, **kwargs)
+                BACKGROUND[step.name] += 1
+            except Exception as e:  # the call will bring it in and raise in its own thread
+                log.warning("preparing %s in the background failed: %s", step.name, e)
+                step._failed.add(key)
+            with self._lock:
+                self._queued.discard((step.name, key))
+
+
+PREPARER = BackgroundPreparer()  # the process's one background preparer (its thread starts with the first job)
+
+
 def clear() -> None:
     """Drop every compiled program this process holds: the Steps' and jax.jit's (jax.clear_caches). Each model shape
     compiles its own programs, and their machine code stays mapped while they are held; a process that loads many
@@ -100,6 +171,7 @@ def clear() -> None:
     it clears them. The next call of a step loads its program from the persistent store or compiles it again."""
     for step in list(_STEPS):
         step._programs.clear()
+        step._failed.clear()
         step._recent.clear()
     jax.clear_caches()
 
@@ -112,7 +184,8 @@ class Step:
 
         @functools.wraps(fun)  # fun's name, module and (through __wrapped__) signature: jax.jit sees fun's
         def counted(*args, **kwargs):
-            TRACED[name] += 1  # runs only while JAX traces
+            if not getattr(_local, "background", False):
+                TRACED[name] += 1  # runs only while JAX traces
             return fun(*args, **kwargs)
 
         self.jitted = jax.jit(counted, static_argnames=static_argnames, donate_argnames=donate_argnames)
@@ -126,6 +199,7 @@ class Step:
         # the key covers fucina_jax's files only: another module's function keeps its programs in this process
         self._persist = fun.__module__.split(".")[0] == "fucina_jax"
         self._programs: dict = {}  # (static, treedef, leaf signature) -> Compiled
+        self._failed: set = set()  # keys the background preparer could not bring in (has() says True: calls do)
         self._recent: dict = {}  # _fast_key -> (static arguments, Compiled)
 
     def __getattr__(self, name):
@@ -178,6 +252,23 @@ class Step:
             return self.jitted.trace(*args, **kwargs).lower().compile()
         return self._program(split[1], *keyed)
 
+    def program_key(self, *args, **kwargs):
+        """The key of the program a call with these arguments (arrays or jax.ShapeDtypeStructs) would run, for
+        `has`; None where the call goes to the plain jax.jit function (the store off, tracers, ...)."""
+        if jax.config.jax_disable_jit or _store() is None:
+            return None
+        split = self._split(args, kwargs)
+        keyed = None if split is None else self._keyed(*split, _is_array_or_spec)
+        if keyed is None:
+            return None
+        tree, leaves = keyed
+        return split[1], tree, tuple(_leaf_signature(x) for x in leaves)
+
+    def has(self, key) -> bool:
+        """Whether the program of `program_key(...)` is in this process (called or prepared before): a call with
+        those arguments only runs."""
+        return key in self._programs or key in self._failed
+
     def _keyed(self, dyn: tuple, static: tuple, is_leaf_ok):
         """(treedef, leaves) of the array arguments, for _program; None to leave the call to jax.jit: an unhashable
         static value (jax.jit reports it), or a leaf is_leaf_ok refuses."""
@@ -225,7 +316,8 @@ class Step:
         if key_path:
             exe = _read_program(_read_key(key_path))
             if exe is not None:
-                LOADED[self.name] += 1
+                if not getattr(_local, "background", False):
+                    LOADED[self.name] += 1
                 return exe
         lowered = self.jitted.trace(*tree.unflatten(leaves), **dict(static)).lower()
         if not key_path:

@@ -299,6 +299,7 @@ class Decoder:
         self._cap = 0  # the sampler's static candidate cap: the widest any row needs (any cap gives the same tokens)
         self._window = 0  # the history window: the longest any row needs (each row cuts it to its own)
         self._buf = np.zeros(MAX_DRAFT, np.int32)  # sources draft into this
+        self._program_keys: dict = {}  # (rows, width, ...) -> the step program's key, for _ready
         self._fresh = [False] * self.B  # rows begun whose first token first() has not sampled yet
         # the row whose draft source raised in the last step() (None: none did); with a source failing in
         # suggest() nothing of the step ran, in observe() every row's commit stands
@@ -440,8 +441,9 @@ class Decoder:
             if d:
                 drafts[b] = self._buf[:d].copy()
         keys = {}
+        chosen = 0
         if economics and drafts:
-            drafts, keys, shadow = self._weigh(active, drafts)
+            chosen, drafts, keys, shadow = self._weigh(active, drafts)
         else:
             shadow = {}
         for b in active:
@@ -449,7 +451,8 @@ class Decoder:
                 rows[b].stats.disabled_steps += 1
             elif b not in drafts:
                 rows[b].stats.fallback_steps += 1
-        width = engine.bucket_for(1 + max((len(x) for x in drafts.values()), default=0), engine.STEP_WIDTHS)
+        # the economics' width (a ready program's: the drafts may be shorter), else the longest draft's bucket
+        width = chosen or engine.bucket_for(1 + max((len(x) for x in drafts.values()), default=0), engine.STEP_WIDTHS)
         # The step's rows: every cache row, or (a batch with rows not decoding) only the active ones, padded to a
         # row bucket with other rows, which are computed and never looked at (engine.decode_sample_rows_step).
         n_step = engine.row_bucket(len(active), self.B)
@@ -473,17 +476,8 @@ class Decoder:
         t0 = self.clock() if self.clock else 0
         cache, self.cache = self.cache, None  # donated below
         try:
-            if n_step == self.B:
-                sampled_dev, self.history, logits, topk, self.cache = self.steps.decode_sample_step(
-                    self.model.params, toks, dr, start, cache, self.history, self._pushed, self._n_pushed,
-                    self._sparams, self.model.config, self._cap, wants_topk=wants_topk, with_logits=hook is not None,
-                )
-            else:
-                sampled_dev, self.history, logits, topk, self.cache = self.steps.decode_sample_rows_step(
-                    self.model.params, toks, dr, np.asarray(order, np.int32), start, cache, self.history,
-                    self._pushed, self._n_pushed, self._sparams, self.model.config, self._cap,
-                    wants_topk=wants_topk, with_logits=hook is not None,
-                )
+            fn, args, kwargs = self._step_call(toks, dr, order, start, cache, wants_topk)
+            sampled_dev, self.history, logits, topk, self.cache = fn(*args, **kwargs)
         except BaseException:
             self.cache = cache  # the forward failed: its input may still be whole (cache_alive tells)
             raise
@@ -535,6 +529,58 @@ class Decoder:
 
     # ---- internals ----------------------------------------------------------------------------------------
 
+    def _step_call(self, toks, dr, order, start, cache, wants_topk: bool):
+        """(the compiled step, its arguments, its keywords) of a step over tokens [n, width] of the cache rows
+        `order`: every row's step (n = B), or the rows step over n of them."""
+        kwargs = dict(wants_topk=wants_topk, with_logits=self.on_verify_row is not None)
+        tail = (cache, self.history, self._pushed, self._n_pushed, self._sparams, self.model.config, self._cap)
+        if len(order) == self.B:
+            return self.steps.decode_sample_step, (self.model.params, toks, dr, start, *tail), kwargs
+        return (self.steps.decode_sample_rows_step,
+                (self.model.params, toks, dr, np.asarray(order, np.int32), start, *tail), kwargs)
+
+    def prepare_steps(self) -> int:
+        """Bring in (load, or compile) the step program of every row count this decoder may step (each row bucket up
+        to B) at every width, verifies with the recycling feedback (the default draft source's), with the current
+        sampler cap and history window; returns how many were not in the process yet. A server calls it at start-up
+        (`--warmup-all`) so that no verify width is ever first used under load. Call after begin()."""
+        if self.cache is None or self.history is None:
+            raise RuntimeError("call begin() first: the step programs are keyed on the cache and sampler state")
+        brought = 0
+        for n_step in sorted({engine.row_bucket(k, self.B) for k in range(1, self.B + 1)}):
+            for width in engine.STEP_WIDTHS:
+                spec = jax.ShapeDtypeStruct((n_step, width), np.int32)
+                order = list(range(n_step)) if n_step < self.B else list(range(self.B))
+                fn, args, kwargs = self._step_call(spec, spec, order, np.zeros(n_step, np.int32), self.cache,
+                                                   width > 1)
+                key = fn.program_key(*args, **kwargs) if hasattr(fn, "program_key") else None
+                if key is not None and fn.has(key):
+                    continue
+                fn.prepare(*(aot.spec_of(a) if isinstance(a, np.ndarray) else a for a in args), **kwargs)
+                brought += 1
+        return brought
+
+    def _ready(self, n_step: int, width: int, wants_topk: bool) -> bool:
+        """Whether the step program of (n_step rows, width) is in the process. A live decoder (one with a clock, on
+        the engine's steps) verifies only at widths whose program is: one that is not is brought in by the
+        background preparer (aot.PREPARER) while the rows step at other widths, so no request waits for the
+        compiler because a verify width came up for the first time. Without a clock (the tests, a replay) every
+        width is ready, and a first use compiles inline, as every step did before."""
+        if self.clock is None or self.steps is not engine:
+            return True
+        sig = (n_step, width, wants_topk, self._cap, self._window, self.cache.capacity)
+        key = self._program_keys.get(sig)
+        if key is None:
+            spec = jax.ShapeDtypeStruct((n_step, width), np.int32)
+            order = np.zeros(n_step, np.int32) if n_step < self.B else list(range(self.B))
+            fn, args, kwargs = self._step_call(spec, spec, order, np.zeros(n_step, np.int32), self.cache, wants_topk)
+            key = self._program_keys[sig] = (fn, fn.program_key(*args, **kwargs), args, kwargs)
+        fn, program, args, kwargs = key
+        if program is None or fn.has(program):
+            return True
+        aot.PREPARER.submit(fn, program, args, kwargs)
+        return False
+
     def _limit(self, row: Row) -> int:
         """The most ids the row may commit this step: its token budget, the context, and the cache (a step writes
         positions n-1 .. n+limit-2)."""
@@ -567,8 +613,9 @@ class Decoder:
 
     def _weigh(self, active: list[int], drafts: dict):
         """The "economics" policy: the step width with the best expected tokens per unit of measured time for these
-        drafts (speculative/economics.py). Returns (the drafts cut to it, each verified row's evidence key, and for
-        each row whose draft is not verified (key, its first token): the step still shows whether it was right)."""
+        drafts (speculative/economics.py), among the widths whose program is ready (_ready). Returns (that width,
+        the drafts cut to it, each verified row's evidence key, and for each row whose draft is not verified (key,
+        its first token): the step still shows whether it was right)."""
         keys = {}
         chains = []
         for b in active:
@@ -579,12 +626,14 @@ class Decoder:
             else:
                 chains.append(np.zeros(0))
         n_step = engine.row_bucket(len(active), self.B)
-        width, value = choose_width(chains, engine.STEP_WIDTHS, lambda w: self.gate.step_cost(w, n_step),
+        wants_topk = any(getattr(self.rows[b].source, "wants_topk", False) for b in drafts)
+        widths = [w for w in engine.STEP_WIDTHS if w == 1 or self._ready(n_step, w, wants_topk)]
+        width, value = choose_width(chains, widths, lambda w: self.gate.step_cost(w, n_step),
                                     self.options.min_gain)
         self.widths[width] = self.widths.get(width, 0) + 1
         if width == 1:
-            return {}, {}, {b: (keys[b], int(x[0])) for b, x in drafts.items()}
-        return {b: x[: width - 1] for b, x in drafts.items()}, keys, {}
+            return 1, {}, {}, {b: (keys[b], int(x[0])) for b, x in drafts.items()}
+        return width, {b: x[: width - 1] for b, x in drafts.items()}, keys, {}
 
     def _price(self, width: int, active: list[int], out: list, step_ns) -> None:
         """Feed the step's outcome and cost to the gate: a plain step's time, or a verify's tokens and cost."""

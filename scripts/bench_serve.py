@@ -18,7 +18,10 @@ Mixes (bench/tasks/tasks.json, continuation prompts for a base model, POST /v1/c
   free-form  open continuations (free_form), sampled as the tasks say (top-k 40, top-p 0.95, min-p 0.05, a seed).
 At each concurrency c, c client threads send the mix's requests back to back (N requests in all, cycling over the
 prompts); the systems take turns per (mix, concurrency), so machine drift hits them alike, and the server not
-serving is stopped (SIGSTOP) for the turn: an idle llama_cpp.server spins. Each system first
+serving is stopped (SIGSTOP) for the turn: an idle llama_cpp.server spins. The fucina_jax server starts with
+--warmup-all: every step program is in before the first request, so the levels measure serving, not compiling (a
+server without it compiles a verify width in the background at its first use, which on 2 cores costs the
+requests of that moment about half their speed). Each system first
 serves every prompt of the mix once, unmeasured (fucina compiles its prefill buckets and verify widths there).
 
 Reported per (mix, c, system): aggregate tok/s (completion tokens of all N requests / the level's wall time), time to
@@ -262,7 +265,8 @@ def main(argv=None) -> int:
     try:
         if {"spec off", "spec on"} & set(systems):
             t0 = time.perf_counter()
-            fj = LiveServer(model, "--ctx", str(args.ctx), "--queue", "256", *args.serve_args.split(), timeout=600)
+            fj = LiveServer(model, "--ctx", str(args.ctx), "--queue", "256", "--warmup-all", *args.serve_args.split(),
+                            timeout=900)
             servers["fucina"] = fj
             ports["spec off"] = ports["spec on"] = fj.port
             with urllib.request.urlopen(fj.url + "/health", timeout=10) as r:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -144,5 +145,27 @@ def test_cancel_stop_strings_reuse_and_a_failing_source(model):
         assert isinstance(good_done, Done) and good_ids == alone(model, good.request).tokens
         h = backend.health()
         assert h["slots_free"] == 2 and h["failed"] == 1 and h["cancelled"] == 1
+    finally:
+        backend.shutdown(10)
+
+
+def test_prepare_steps_brings_in_every_row_bucket_and_width(model):
+    """--warmup-all: after one request, prepare_steps() brings in the step program of every row bucket up to
+    max_batch at every width (verifies with the recycling feedback), so a later step of any shape only runs; a
+    second call has nothing left to bring in."""
+    from fucina_jax import engine
+
+    backend = BatchingBackend(model, ctx=CTX, max_batch=3, queue_size=4, spec_options=ALWAYS)
+    try:
+        collect(backend.submit(requests(model, 1)[0]))
+        brought = backend.prepare_steps()
+        dec = backend.decoder
+        for n_step in (1, 2, 3):
+            for width in engine.STEP_WIDTHS:
+                spec = jax.ShapeDtypeStruct((n_step, width), np.int32)
+                fn, args, kwargs = dec._step_call(spec, spec, list(range(n_step)), np.zeros(n_step, np.int32),
+                                                  dec.cache, width > 1)
+                assert fn.has(fn.program_key(*args, **kwargs)), (n_step, width)
+        assert brought >= 1 and backend.prepare_steps() == 0
     finally:
         backend.shutdown(10)

@@ -181,3 +181,36 @@ def test_batch_cost_model_against_the_shipped_surface():
     ratios = [gate.modelled_cost(w, r) / c for r, w, c in DEFAULT_BATCH_COSTS if w > 1]
     assert len(ratios) >= 9 and all(0.8 <= x <= 1.25 for x in ratios)
     assert sum(x >= 1 for x in ratios) >= 0.75 * len(ratios)
+
+
+def test_a_live_decoder_verifies_only_at_widths_whose_program_is_in(qwen3, monkeypatch):
+    """With a clock, a verify width whose step program is not in the process is not chosen: the background
+    preparer brings it in while the row steps at the widths that are ready. No verify call ever brings its program
+    in itself (so no request waits for the compiler), verifies happen once the programs are in, and the stream is
+    the plain one."""
+    import time
+
+    prompt = prompt_of(qwen3)
+    plain = generate(qwen3, prompt, max_tokens=120, sampler=GREEDY, ctx=CTX, stop_ids=()).run()
+    aot.clear()  # no verify program in the process; the plain step's comes back from the store at its first call
+    calls = []
+    real = aot.Step.__call__
+
+    def spy(self, *a, **k):
+        if self.name.endswith("decode_sample_step") and a[1].shape[1] > 1:
+            calls.append(self.has(self.program_key(*a, **k)))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(aot.Step, "__call__", spy)
+    background = sum(aot.BACKGROUND.values())
+    src = ScriptedSource(perfect(prompt + plain.tokens))
+    dec = Decoder(qwen3, ctx=CTX, options=ECON, clock=time.perf_counter_ns)
+    dec.first(dec.begin([Request(tuple(prompt), 120, GREEDY.validate(), frozenset(), src)]))
+    while dec.active:
+        dec.step()
+        if not calls:
+            time.sleep(0.02)  # give the background preparer time while the row steps plainly
+    assert dec.rows[0].generated == plain.tokens
+    assert calls and all(calls)  # verified, and only with programs already in
+    assert dec.widths.get(1, 0) >= 1  # at least one step ran plainly while a width was being prepared
+    assert sum(aot.BACKGROUND.values()) > background

@@ -157,6 +157,14 @@ class BatchingBackend:
             except BaseException as e:  # never lose the worker: fail what was running, keep serving
                 self._fail_running(e)
 
+    def prepare_steps(self) -> int:
+        """Bring in every step program the decoder may run (Decoder.prepare_steps), before serving: the worker is
+        idle then (call it between the warm-up and the first request)."""
+        with self._cv:
+            if any(s is not None for s in self._slots) or self._queue:
+                raise RuntimeError("prepare_steps() runs before serving: requests are in flight")
+        return self.decoder.prepare_steps()
+
     def _admit(self) -> None:
         """Waiting requests into free rows, oldest first, each prefilled alone; the first token of each."""
         while True:

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache element type (default f32)")
     p.add_argument("--no-warmup", action="store_true",
                    help="do not compile the common steps before listening (the first requests compile them)")
+    p.add_argument("--warmup-all", action="store_true",
+                   help="also bring in every decode step program before listening (each row bucket up to "
+                        "--max-batch, every verify width), so that no width is first compiled under load: seconds "
+                        "with a warm compile cache, minutes on a cold one (default: the first use of a verify width "
+                        "compiles it in the background while rows step at the widths that are ready)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="uvicorn's and the server's log level (default info)")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
@@ -172,6 +177,12 @@ def serve(args) -> int:
               flush=True)
     if not args.no_warmup:
         _warmup(backend, info, quiet)
+        if args.warmup_all and hasattr(backend, "prepare_steps"):
+            t1 = time.perf_counter()
+            n = backend.prepare_steps()
+            if not quiet:
+                print(f"brought in {n} more step programs in {time.perf_counter() - t1:.1f} s", file=sys.stderr,
+                      flush=True)
     app = create_app(backend, info, shutdown_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, lifespan="on",
                             timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)))
