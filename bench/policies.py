@@ -35,6 +35,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import fucina_jax
+    from fucina_jax import aot
     from fucina_jax.generate import generate, generate_speculative
     from fucina_jax.speculative import SpecOptions
 
@@ -58,6 +59,7 @@ def main() -> int:
             want = plain()  # warm-up (compiles), and the reference stream
             for o in policies.values():
                 assert spec(o).tokens == want.tokens, f"{name} {task.id}: a speculative stream differs"
+            aot.PREPARER.wait_idle()  # the verify programs those runs asked for, compiled in the background
             runs = {"plain": []} | {p: [] for p in policies}
             last = {}
             for _ in range(args.reps):

@@ -254,6 +254,9 @@ def bench_model(runner: Runner, tasks: list[Task], *, reps: int, bar=None, warmu
         w = next((t for t in tasks if t.cls == "verbatim_repetition"), tasks[0])
         for s in runner.systems:
             runner.run(s, w, gen=min(runner.gen, 32))
+        from fucina_jax import aot
+
+        aot.PREPARER.wait_idle()  # the verify programs the warm-up's first drafts asked for (decoder._ready)
     if runner.warm:
         if bar is not None:
             bar.set_postfix_str(f"{runner.name} warming the draft memory", refresh=True)

@@ -118,6 +118,18 @@ class BackgroundPreparer:
         self._stopped = False
         self._lock = threading.Lock()
 
+    def wait_idle(self, timeout: float = 600.0) -> bool:
+        """Wait until every submitted program is in (or failed); False on timeout. A benchmark calls it after its
+        warm-up, so no background compile runs during a timed run."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._queued:
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
     def stop(self, timeout: float = 120.0) -> None:
         """No more jobs; wait (up to `timeout` s) for the one in progress: a process must not exit while this thread
         is inside XLA (the interpreter's teardown would abort it). Runs at exit (atexit)."""

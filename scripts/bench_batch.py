@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     from fucina_jax.model import default_model_path
     from fucina_jax.sampling import SamplerConfig
     from fucina_jax.generate import generate_batched
+    from fucina_jax import aot
     from fucina_jax.speculative import SpecOptions
 
     path = args.model or default_model_path()
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
         compile_s = {}
         for name, options in modes.items():  # untimed: each mode's programs compile (or load) here
             warm, _ = run(B, options)
+            aot.PREPARER.wait_idle()  # verify widths the warm run asked for, compiled in the background
             compile_s[name] = max(r.compile_seconds for r in warm)
         aggs = {name: [] for name in modes}
         rows_tps = {name: [] for name in modes}

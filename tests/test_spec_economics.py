@@ -214,3 +214,4 @@ def test_a_live_decoder_verifies_only_at_widths_whose_program_is_in(qwen3, monke
     assert calls and all(calls)  # verified, and only with programs already in
     assert dec.widths.get(1, 0) >= 1  # at least one step ran plainly while a width was being prepared
     assert sum(aot.BACKGROUND.values()) > background
+    assert aot.PREPARER.wait_idle(120)  # nothing left queued
