@@ -236,6 +236,9 @@ def main(argv=None) -> int:
                     help="requests per level: max(this, 2 x concurrency) (default 8, --quick 4)")
     ap.add_argument("--mixes", default="grounded,free-form", help="comma-separated: grounded, free-form")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
+    ap.add_argument("--benchmarks", default=None, metavar="FILE",
+                    help="also write the tables into FILE's server section (e.g. BENCHMARKS.md; bench/run.py keeps "
+                         "it when it rewrites the file)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads (default: cores)")
     ap.add_argument("--ctx", type=int, default=1024, help="context of both servers (default 1024)")
     ap.add_argument("--quick", action="store_true", help="48 tokens, 4 requests per level at least")
@@ -301,6 +304,15 @@ def main(argv=None) -> int:
         for s in servers.values():
             s.stop()
     print_table(results, levels, mixes, systems)
+    if args.benchmarks:
+        from fucina_jax.speculative.bench import machine_description
+
+        header = (f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \nMachine: {machine_description()}  \n"
+                  f"Command: `python scripts/bench_serve.py {' '.join(sys.argv[1:] if argv is None else argv)}`  \n"
+                  f"Model {os.path.basename(model)}, ctx {args.ctx}, {gen} tokens per request, llama.cpp threads "
+                  f"{args.threads}; aggregate tok/s over each level's requests, TTFT and TPOT p50 / p95.")
+        write_benchmarks(args.benchmarks, results, levels, mixes, systems, header)
+        print(f"wrote the server section of {args.benchmarks}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "ctx": args.ctx, "gen": gen, "threads": args.threads,
@@ -322,31 +334,44 @@ def alone(servers: dict, running: str):
             os.kill(proc.pid, signal.SIGCONT)
 
 
-def print_table(results, levels, mixes, systems) -> None:
+def table_lines(results, levels, mixes, systems) -> list[str]:
+    """The results as two markdown tables: per (mix, c, system), then the ratios."""
     by = {(r["mix"], r["concurrency"], r["system"]): r for r in results}
-    print()
-    print("| mix | c | system | agg tok/s | TTFT p50 / p95 ms | TPOT p50 / p95 ms | tok/request |")
-    print("|---|---|---|---|---|---|---|")
+    lines = ["| mix | c | system | agg tok/s | TTFT p50 / p95 ms | TPOT p50 / p95 ms | tok/request |",
+             "|---|---|---|---|---|---|---|"]
     for m in mixes:
         for c in levels:
             for s in systems:
                 r = by[(m, c, s)]
-                print(f"| {m} | {c} | {s} | {r['tok_s']:.1f} | {r['ttft_ms']['p50']} / {r['ttft_ms']['p95']} | "
-                      f"{r['tpot_ms']['p50']} / {r['tpot_ms']['p95']} | {r['tokens_per_request']:.1f} |")
+                lines.append(f"| {m} | {c} | {s} | {r['tok_s']:.1f} | {r['ttft_ms']['p50']} / {r['ttft_ms']['p95']}"
+                             f" | {r['tpot_ms']['p50']} / {r['tpot_ms']['p95']} | {r['tokens_per_request']:.1f} |")
     pairs = [(a, b) for a, b in (("spec on", "spec off"), ("spec off", "llama.cpp"), ("spec on", "llama.cpp"))
              if a in systems and b in systems]
-    if not pairs:
-        return
+    if pairs:
+        lines += ["", "| mix | c | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |",
+                  "|---|---|" + "---|" * len(pairs)]
+        for m in mixes:
+            for c in levels:
+                cells = []
+                for a, b in pairs:
+                    x, y = by[(m, c, a)]["tok_s"], by[(m, c, b)]["tok_s"]
+                    cells.append(f"{x / y:.2f}x" if y > 0 else "n/a")
+                lines.append(f"| {m} | {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def print_table(results, levels, mixes, systems) -> None:
     print()
-    print("| mix | c | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |")
-    print("|---|---|" + "---|" * len(pairs))
-    for m in mixes:
-        for c in levels:
-            cells = []
-            for a, b in pairs:
-                x, y = by[(m, c, a)]["tok_s"], by[(m, c, b)]["tok_s"]
-                cells.append(f"{x / y:.2f}x" if y > 0 else "n/a")
-            print(f"| {m} | {c} | " + " | ".join(cells) + " |")
+    print("\n".join(table_lines(results, levels, mixes, systems)))
+
+
+def write_benchmarks(path: str, results, levels, mixes, systems, header: str) -> None:
+    """The tables as BENCHMARKS.md's server section (bench/run.py keeps it when it rewrites the file)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import write_section
+
+    write_section(path, "bench_serve", "\n".join(["## Server (scripts/bench_serve.py)", "", header, "",
+                                                  *table_lines(results, levels, mixes, systems)]))
 
 
 if __name__ == "__main__":

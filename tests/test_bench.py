@@ -85,6 +85,14 @@ def test_quick_mode_runs_and_spec_equals_plain(bench, fixture_path, load_model, 
     assert [g["group"] for g in bench.group_means(summary)] == ["spec_bench"] and "| fixture | spec_bench | 6 |" in text
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # another benchmark's section (scripts/bench_serve.py --benchmarks) survives the suite rewriting the file
+    bench.write_section(md, "bench_serve", "## Server\n\n| a | b |")
+    bench.write_section(md, "bench_serve", "## Server\n\n| c | d |")  # replaced, not appended twice
+    bench.write_report(rows, meta, str(tmp_path))
+    with open(md) as f:
+        text = f.read()
+    assert text.count("<!-- section bench_serve -->") == 1 and "| c | d |" in text and "| a | b |" not in text
+    assert "| fixture | grounded_copy/a |" in text
 
 
 def test_warm_draft_memory(bench, fixture_path, load_model, tmp_path):
