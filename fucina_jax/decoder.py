@@ -261,6 +261,8 @@ class Decoder:
     on_verify_row: the replay-equivalence instrument (VerifyRowHook), B = 1 only. steps: where the compiled steps
     come from (prefill, prepare_prefill, sample_step, decode_sample_step, decode_sample_rows_step with engine's
     signatures): engine itself, or speculative.replay's oracle, which answers from a recorded plain run.
+    background_compile (with a clock): verify only at widths whose program is in, preparing the others in the
+    background (_ready): for a long-lived decoder, the server's.
     """
 
     def __init__(
@@ -274,6 +276,7 @@ class Decoder:
         clock: Callable[[], int] | None = None,
         on_verify_row: VerifyRowHook | None = None,
         steps=engine,
+        background_compile: bool = False,
     ):
         if not is_int(batch) or batch < 1:
             raise ValueError(f"batch = {batch!r}: at least one row is needed")
@@ -281,6 +284,7 @@ class Decoder:
             raise ValueError("on_verify_row instruments one row: use batch = 1")
         self.model = model
         self.steps = steps
+        self.background_compile = background_compile
         self.B = int(batch)
         self.ctx = model.check_ctx(ctx)
         self.capacity = min(int(capacity or self.ctx), self.ctx)
@@ -564,9 +568,11 @@ class Decoder:
         """Whether the step program of (n_step rows, width) is in the process. A live decoder (one with a clock, on
         the engine's steps) verifies only at widths whose program is: one that is not is brought in by the
         background preparer (aot.PREPARER) while the rows step at other widths, so no request waits for the
-        compiler because a verify width came up for the first time. Without a clock (the tests, a replay) every
-        width is ready, and a first use compiles inline, as every step did before."""
-        if self.clock is None or self.steps is not engine:
+        compiler because a verify width came up for the first time. Only with background_compile (the server's
+        long-lived decoder): a one-shot run on a cold process would spend its few hundred steps plainly while its
+        programs compile beside it, so it compiles a width inline at its first use, excluded from the rates; and
+        without a clock (the tests, a replay) every width is ready."""
+        if not self.background_compile or self.clock is None or self.steps is not engine:
             return True
         sig = (n_step, width, wants_topk, self._cap, self._window, self.cache.capacity)
         key = self._program_keys.get(sig)

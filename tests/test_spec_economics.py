@@ -204,7 +204,7 @@ def test_a_live_decoder_verifies_only_at_widths_whose_program_is_in(qwen3, monke
     monkeypatch.setattr(aot.Step, "__call__", spy)
     background = sum(aot.BACKGROUND.values())
     src = ScriptedSource(perfect(prompt + plain.tokens))
-    dec = Decoder(qwen3, ctx=CTX, options=ECON, clock=time.perf_counter_ns)
+    dec = Decoder(qwen3, ctx=CTX, options=ECON, clock=time.perf_counter_ns, background_compile=True)
     dec.first(dec.begin([Request(tuple(prompt), 120, GREEDY.validate(), frozenset(), src)]))
     while dec.active:
         dec.step()

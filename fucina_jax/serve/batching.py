@@ -80,7 +80,7 @@ class BatchingBackend:
         self.max_batch = int(max_batch)
         self.queue_size = int(queue_size)
         self.decoder = Decoder(model, self.max_batch, ctx=self.ctx, options=spec_options or SpecOptions(),
-                               clock=time.perf_counter_ns)
+                               clock=time.perf_counter_ns, background_compile=True)
         self._slots: list[_Slot | None] = [None] * self.max_batch
         self._queue: collections.deque[Ticket] = collections.deque()
         self._cv = threading.Condition()
