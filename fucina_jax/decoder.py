@@ -553,14 +553,10 @@ class Decoder:
         brought = 0
         for n_step in sorted({engine.row_bucket(k, self.B) for k in range(1, self.B + 1)}):
             for width in engine.STEP_WIDTHS:
-                spec = jax.ShapeDtypeStruct((n_step, width), np.int32)
-                order = list(range(n_step)) if n_step < self.B else list(range(self.B))
-                fn, args, kwargs = self._step_call(spec, spec, order, np.zeros(n_step, np.int32), self.cache,
-                                                   width > 1)
-                key = fn.program_key(*args, **kwargs) if hasattr(fn, "program_key") else None
+                fn, key, args, kwargs = self._program(n_step, width, width > 1)
                 if key is not None and fn.has(key):
                     continue
-                fn.prepare(*(aot.spec_of(a) if isinstance(a, np.ndarray) else a for a in args), **kwargs)
+                fn.prepare(*args, **kwargs)
                 brought += 1
         return brought
 
@@ -575,17 +571,23 @@ class Decoder:
         if not self.background_compile or self.clock is None or self.steps is not engine:
             return True
         sig = (n_step, width, wants_topk, self._cap, self._window, self.cache.capacity)
-        key = self._program_keys.get(sig)
-        if key is None:
-            spec = jax.ShapeDtypeStruct((n_step, width), np.int32)
-            order = np.zeros(n_step, np.int32) if n_step < self.B else list(range(self.B))
-            fn, args, kwargs = self._step_call(spec, spec, order, np.zeros(n_step, np.int32), self.cache, wants_topk)
-            key = self._program_keys[sig] = (fn, fn.program_key(*args, **kwargs), args, kwargs)
-        fn, program, args, kwargs = key
-        if program is None or fn.has(program):
+        known = self._program_keys.get(sig)
+        if known is None:
+            known = self._program_keys[sig] = self._program(n_step, width, wants_topk)[:2]
+        fn, key = known
+        if key is None or fn.has(key):
             return True
-        aot.PREPARER.submit(fn, program, args, kwargs)
+        aot.PREPARER.submit(*self._program(n_step, width, wants_topk))
         return False
+
+    def _program(self, n_step: int, width: int, wants_topk: bool):
+        """(the step, its program key, its arguments, its keywords) of a step of (n_step rows, width) over the
+        current cache and sampler state, the token arrays as shapes (for Step.prepare and Step.has)."""
+        spec = jax.ShapeDtypeStruct((n_step, width), np.int32)
+        fn, args, kwargs = self._step_call(spec, spec, list(range(n_step)), np.zeros(n_step, np.int32), self.cache,
+                                           wants_topk)
+        key = fn.program_key(*args, **kwargs) if hasattr(fn, "program_key") else None
+        return fn, key, args, kwargs
 
     def _limit(self, row: Row) -> int:
         """The most ids the row may commit this step: its token budget, the context, and the cache (a step writes
