@@ -300,35 +300,47 @@ def _row_map(rows: jax.Array | None, q: jax.Array, k_cache: jax.Array) -> jax.Ar
     return rows.astype(jnp.int32)
 
 
+def _tree_masks(tree: jax.Array | None, q: jax.Array) -> jax.Array:
+    """The kernels' tree operand: the ancestor masks as int32 [B, T], or the empty one (a chain)."""
+    if tree is None:
+        return jnp.zeros((0,), jnp.int32)
+    if tree.shape != q.shape[:2]:
+        raise ValueError(f"tree masks {tree.shape} must be one per step row {q.shape[:2]}")
+    return tree.astype(jnp.int32)
+
+
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_pos: jax.Array, scale: float,
-              window: int = 0, rows: jax.Array | None = None) -> jax.Array:
+              window: int = 0, rows: jax.Array | None = None, tree: jax.Array | None = None) -> jax.Array:
     """layers.attention's contract (q [B, T, H, Dh], caches [B, S, K, D], q_pos [B, T] -> [B, T, H, Dv]) in C:
     each row reads only its visible slots and is computed in a fixed order of its own (attention.cc).
     rows int32 [n] (optional): q has n rows, row i reads cache row rows[i] of caches [Bc, S, K, D] (distinct rows;
-    a row's result is the one it gets at batch n with the identity map)."""
+    a row's result is the one it gets at batch n with the identity map). tree int32 [B, T] (optional): a tree
+    verify's ancestor masks (layers.attention)."""
     _register()
     B, T, H, _ = q.shape
     return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, H, v_cache.shape[-1]), jnp.float32))(
         q.astype(jnp.float32), k_cache, v_cache, q_pos.astype(jnp.int32), _row_map(rows, q, k_cache),
-        scale=np.float32(scale), window=np.int64(window),
+        _tree_masks(tree, q), scale=np.float32(scale), window=np.int64(window),
     )
 
 
 def attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    q_pos: jax.Array, scale: float, window: int = 0,
-                    rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    q_pos: jax.Array, scale: float, window: int = 0, rows: jax.Array | None = None,
+                    tree: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """layers.write_kv of this step's K and V rows (k_new/v_new [B, T, K, D]) into both caches, then attention:
     (out [B, T, H, Dv], k_cache, v_cache) in one call. The caches are updated in place (XLA aliases the results to
     the cache arguments); rows at positions outside the cache are dropped, as write_kv drops them.
     rows int32 [n] (optional): the step has n rows over caches [Bc, S, K, D]; step row i is written into and
-    attends over cache row rows[i] (distinct rows); the other cache rows are left as they are."""
+    attends over cache row rows[i] (distinct rows); the other cache rows are left as they are. tree int32 [B, T]
+    (optional): a tree verify (layers.attention): step row t is written into slot q_pos[:, 0] + t."""
     _register()
     B, T, H, _ = q.shape
     out_types = (jax.ShapeDtypeStruct((B, T, H, v_cache.shape[-1]), jnp.float32),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     return jax.ffi.ffi_call(ATTENTION_WRITE_TARGET, out_types, input_output_aliases={3: 1, 4: 2})(
         q.astype(jnp.float32), k_new.astype(jnp.float32), v_new.astype(jnp.float32), k_cache, v_cache,
-        q_pos.astype(jnp.int32), _row_map(rows, q, k_cache), scale=np.float32(scale), window=np.int64(window),
+        q_pos.astype(jnp.int32), _row_map(rows, q, k_cache), _tree_masks(tree, q), scale=np.float32(scale),
+        window=np.int64(window),
     )
 
 

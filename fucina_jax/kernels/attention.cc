@@ -7,6 +7,12 @@
 // the caches' B rows: step row b reads (and fucina_attention_write writes) cache row rows[b]. The other cache rows
 // are neither read nor written, and a step row's arithmetic is the same whichever cache row it maps to.
 //
+// A tree mask tree[B, T] (optional: an empty buffer is a chain) makes the step's T rows a tree verify: pos is then
+// each row's RoPE position (its stream position, root + depth), step row t lives in slot pos[b, 0] + t (the root's
+// slot plus its index), and it sees the slots before the root's plus the step slots whose bit is set in tree[b, t]
+// (its ancestors and itself), window permitting. Its visible slots are its prefix's in the same order (ancestors
+// come before descendants), so a tree row is computed exactly as plain decoding computes its prefix's last row.
+//
 // Each (b, t, h) row is computed on its own, in one fixed order (dot products in 16 lanes folded by a fixed tree,
 // the softmax sum and the weighted V sum in slot order), so a row is bitwise the same whatever the other rows of
 // the step: decode and verify rows agree exactly. Only visible slots are read, so a step costs O(position) (O(window)
@@ -141,6 +147,7 @@ struct Shape {
   int64_t B, T, H, Dh, S, K, Dv, G;
   int64_t Bc;                     // the caches' rows (B with no row map)
   const int32_t* rows = nullptr;  // step row b -> cache row rows[b] (nullptr: b)
+  const int32_t* tree = nullptr;  // [B, T] ancestor masks of a tree verify (nullptr: a chain)
 
   int64_t cache_row(int64_t b) const { return rows ? rows[b] : b; }
 };
@@ -168,8 +175,14 @@ struct Block {
   float scale;
   float* scores;  // row r's score of slot j at scores[r * sstride + j - ulo]
   int64_t sstride;
+  // A tree verify: slots from tbase on are the step's, and row r sees slot tbase + m iff bit m of tmask[r] is set
+  // (tbase = INT64_MAX: a chain, every slot in [lo[r], hi[r]] is visible).
+  int64_t tbase = INT64_MAX;
+  uint32_t tmask[kRows] = {};
   int64_t ulo = INT64_MAX, uhi = -1;  // the union of the rows' visible ranges (empty: uhi < ulo)
   float inv[kRows];
+
+  bool visible(int r, int64_t j) const { return j < tbase || ((tmask[r] >> (j - tbase)) & 1u); }
 
   void init() {
     for (int r = 0; r < n_rows; ++r)
@@ -215,9 +228,11 @@ FUCINA_CLONES void block_softmax(Block& b, int r) {
   if (b.hi[r] < b.lo[r]) return;
   float* sc = b.scores + r * b.sstride - b.ulo;
   float m = -INFINITY;
-  for (int64_t j = b.lo[r]; j <= b.hi[r]; ++j) m = std::max(m, sc[j]);
+  for (int64_t j = b.lo[r]; j <= b.hi[r]; ++j)
+    if (b.visible(r, j)) m = std::max(m, sc[j]);
   float l = 0.0f;
   for (int64_t j = b.lo[r]; j <= b.hi[r]; ++j) {
+    if (!b.visible(r, j)) continue;
     sc[j] = exp_neg(sc[j] - m);
     l += sc[j];
   }
@@ -248,7 +263,7 @@ __attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t 
         V vv[kC];
         for (int cc = 0; cc < kC; ++cc) vv[cc] = V::load(vj + cc * kLanes);
         for (int r = 0; r < kRows; ++r) {
-          if (r >= n_rows || j < lo[r] || j > hi[r]) continue;
+          if (r >= n_rows || j < lo[r] || j > hi[r] || !b.visible(r, j)) continue;
           const V e = V::splat(scores[r * sstride + j - ulo]);
           for (int cc = 0; cc < kC; ++cc) acc[r][cc] += e * vv[cc];
         }
@@ -260,6 +275,7 @@ __attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t 
         float* o = b.out[r];
         for (int64_t d = ndv; d < d1; ++d) o[d] = 0.0f;
         for (int64_t j = lo[r]; j <= hi[r]; ++j) {
+          if (!b.visible(r, j)) continue;
           const float e = scores[r * sstride + j - ulo];
           const float* vj = vp + j * vstride;
           for (int64_t d = ndv; d < d1; ++d) o[d] += e * vj[d];
@@ -398,14 +414,19 @@ void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<floa
   }
   Block w{b.q, b.out, b.n_rows, rlo, rhi, kbuf.data(), b.Dh, vbuf.data(), b.Dv, b.Dh, b.Dv, b.scale, b.scores,
           b.sstride};
+  if (b.tbase != INT64_MAX) {  // slot indices made relative, the tree's too
+    w.tbase = b.tbase - b.ulo;
+    std::memcpy(w.tmask, b.tmask, sizeof(w.tmask));
+  }
   attend(w, pool);
 }
 
-// Shapes of q [B, T, H, Dh], the caches [Bc, S, K, D], pos [B, T] and the row map rows [B] (or [0]: the identity,
-// Bc = B), or the error that they do not fit together. The map's entries must be distinct cache rows.
+// Shapes of q [B, T, H, Dh], the caches [Bc, S, K, D], pos [B, T], the row map rows [B] (or [0]: the identity,
+// Bc = B) and the tree masks tree [B, T] (or [0]: a chain; T <= 32), or the error that they do not fit together.
+// The map's entries must be distinct cache rows; a tree row must see itself and only rows up to its own.
 ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                        const ffi::Buffer<ffi::S32>& pos, const ffi::Buffer<ffi::S32>& rows, const char* name,
-                        Shape* out) {
+                        const ffi::Buffer<ffi::S32>& pos, const ffi::Buffer<ffi::S32>& rows,
+                        const ffi::Buffer<ffi::S32>& tree, const char* name, Shape* out) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions(), rd = rows.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || rd.size() != 1)
     return ffi::Error::InvalidArgument(std::string(name) + ": q, k, v must be 4-D, pos 2-D and rows 1-D");
@@ -423,6 +444,19 @@ ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k,
         return ffi::Error::InvalidArgument(std::string(name) + ": the row map must hold distinct rows of the caches");
       seen[r] = 1;
     }
+  }
+  auto td = tree.dimensions();
+  if (!(td.size() == 1 && td[0] == 0)) {
+    if (td.size() != 2 || td[0] != s.B || td[1] != s.T || s.T > 32)
+      return ffi::Error::InvalidArgument(std::string(name) + ": the tree masks must be [B, T] with T <= 32");
+    s.tree = tree.typed_data();
+    for (int64_t b = 0; b < s.B; ++b)
+      for (int64_t t = 0; t < s.T; ++t) {
+        const uint32_t m = static_cast<uint32_t>(s.tree[b * s.T + t]);
+        if (!((m >> t) & 1u) || (t < 31 && (m >> (t + 1)) != 0))
+          return ffi::Error::InvalidArgument(std::string(name) +
+                                             ": a tree row must see itself and no row after it");
+      }
   }
   s.G = s.H / s.K;
   const bool half = k.element_type() == ffi::DataType::F16;
@@ -463,11 +497,24 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
       // Query row (t, g) of kv head kh is head h = kh * G + g.
       const float* qrow[kRows];
       float* orow[kRows];
+      uint32_t tmask[kRows] = {};
+      const int64_t tbase = s.tree ? pp[b * s.T] : INT64_MAX;  // a tree: the root's slot
       for (int r = 0; r < n_rows; ++r) {
         const int64_t tg = first + r, t = tg / s.G, g = tg % s.G, h = kh * s.G + g;
         const int64_t p = pp[b * s.T + t];
-        hi[r] = std::min<int64_t>(p, s.S - 1);
         lo[r] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+        if (s.tree) {  // the slots before the root's (window permitting), then the step rows of its mask
+          uint32_t m = 0;
+          for (int64_t a = 0; a <= t; ++a)
+            if (((static_cast<uint32_t>(s.tree[b * s.T + t]) >> a) & 1u) &&
+                (window <= 0 || p - pp[b * s.T + a] < window))
+              m |= 1u << a;
+          tmask[r] = m;
+          lo[r] = std::min(lo[r], tbase);
+          hi[r] = std::min<int64_t>(m ? tbase + 31 - __builtin_clz(m) : tbase - 1, s.S - 1);
+        } else {
+          hi[r] = std::min<int64_t>(p, s.S - 1);
+        }
         qrow[r] = qp + ((b * s.T + t) * s.H + h) * s.Dh;
         orow[r] = op + ((b * s.T + t) * s.H + h) * s.Dv;
       }
@@ -475,6 +522,10 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
       const int64_t koff = (cb * s.S * s.K + kh) * s.Dh, voff = (cb * s.S * s.K + kh) * s.Dv;
       Block blk_{qrow, orow, n_rows, lo, hi, kp + koff, s.K * s.Dh, vp + voff, s.K * s.Dv, s.Dh, s.Dv, scale,
                  scores.data(), s.S};
+      if (s.tree) {
+        blk_.tbase = tbase;
+        std::memcpy(blk_.tmask, tmask, sizeof(tmask));
+      }
       if (half) {
         attend_f16(blk_, kh16 + koff, vh16 + voff, kbuf, vbuf, split);
       } else {
@@ -490,26 +541,26 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
 }
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out,
-                         float scale, int64_t window) {
+                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> tree,
+                         ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
   Shape s;
-  if (ffi::Error e = check_shapes(q, k, v, pos, rows, "fucina_attention", &s); e.failure()) return e;
+  if (ffi::Error e = check_shapes(q, k, v, pos, rows, tree, "fucina_attention", &s); e.failure()) return e;
   attend_all(pool, s, q.typed_data(), k.untyped_data(), v.untyped_data(), k.element_type() == ffi::DataType::F16,
              pos.typed_data(), out->typed_data(), scale, window);
   return ffi::Error::Success();
 }
 
-// Stores this step's K and V rows [B, T, K, D] at slot = position in the caches (the results, which XLA aliases to
-// the cache arguments), step row b into cache row rows[b] (no map: b), dropping rows whose position is outside
-// [0, S); then attends as fucina_attention. An fp16 cache gets each value rounded to nearest even (as XLA's
-// convert). One call where XLA needs two scatters.
+// Stores this step's K and V rows [B, T, K, D] at slot = position in the caches (a tree verify: slot = the root's
+// position + row index) (the results, which XLA aliases to the cache arguments), step row b into cache row rows[b]
+// (no map: b), dropping rows whose slot is outside [0, S); then attends as fucina_attention. An fp16 cache gets
+// each value rounded to nearest even (as XLA's convert). One call where XLA needs two scatters.
 ffi::Error AttentionWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                               ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                              ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows,
+                              ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> tree,
                               ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
                               ffi::Result<ffi::AnyBuffer> v_out, float scale, int64_t window) {
   Shape s;
-  if (ffi::Error e = check_shapes(q, k, v, pos, rows, "fucina_attention_write", &s); e.failure()) return e;
+  if (ffi::Error e = check_shapes(q, k, v, pos, rows, tree, "fucina_attention_write", &s); e.failure()) return e;
   auto knd = k_new.dimensions(), vnd = v_new.dimensions();
   if (knd.size() != 4 || vnd.size() != 4 || knd[0] != s.B || knd[1] != s.T || knd[2] != s.K || knd[3] != s.Dh ||
       vnd[0] != s.B || vnd[1] != s.T || vnd[2] != s.K || vnd[3] != s.Dv ||
@@ -525,7 +576,7 @@ ffi::Error AttentionWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t* pp = pos.typed_data();
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t t = 0; t < s.T; ++t) {
-      const int64_t p = pp[b * s.T + t];
+      const int64_t p = s.tree ? pp[b * s.T] + t : pp[b * s.T + t];  // the slot
       if (p < 0 || p >= s.S) continue;
       const int64_t nk = s.K * s.Dh, nv = s.K * s.Dv;
       const float* ks = k_new.typed_data() + (b * s.T + t) * nk;
@@ -556,6 +607,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaAttentionWrite, AttentionWriteImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -568,6 +620,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

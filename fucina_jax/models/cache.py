@@ -31,7 +31,7 @@ from fucina_jax import aot
 from fucina_jax.errors import CacheMemoryError
 from fucina_jax.models.config import ModelConfig
 
-__all__ = ["KVCache", "fitted_capacity", "init_cache", "on_rows", "stepped", "truncate"]
+__all__ = ["KVCache", "fitted_capacity", "init_cache", "on_rows", "on_tree", "stepped", "truncate"]
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +43,9 @@ class KVCache:
     # int32 [n] or None: a forward over n step rows reads and writes cache row rows[i] for step row i (on_rows);
     # None: step row b is cache row b. Only a forward's input carries one.
     rows: jax.Array | None = None
+    # int32 [n, T] or None: the forward's T rows are a tree verify (on_tree): bit m of tree[i, t] says step row t
+    # sees step row m (its ancestors and itself); row t is in slot positions[i, 0] + t. Only a forward's input.
+    tree: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -141,10 +144,16 @@ def on_rows(cache: KVCache, rows: jax.Array) -> KVCache:
     return dataclasses.replace(cache, rows=rows)
 
 
+def on_tree(cache: KVCache, tree: jax.Array) -> KVCache:
+    """The cache as a tree verify's forward sees it: tree int32 [n, T], each step row's ancestor mask (self
+    included; ancestors come first: bit m of row t is set only for m <= t)."""
+    return dataclasses.replace(cache, tree=tree)
+
+
 def stepped(cache: KVCache, ks, vs, positions: jax.Array) -> KVCache:
     """What a forward returns: the cache with its new per-slot arrays ks / vs, each stepped row's length just past
-    its last position (positions [n, T]; with a row map only the mapped rows' lengths move), and no row map."""
-    end = positions[:, -1] + 1
+    its last slot (positions [n, T]; with a row map only the mapped rows' lengths move), and no row map or tree."""
+    end = positions[:, -1] + 1 if cache.tree is None else positions[:, 0] + positions.shape[1]
     length = end if cache.rows is None else cache.length.at[cache.rows].set(end)
     return KVCache(k=tuple(ks), v=tuple(vs), length=length)
 

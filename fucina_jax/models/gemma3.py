@@ -89,7 +89,7 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
     layers, eps = params["layers"], cfg.rms_eps
     x = rms_norm(h, layers[0]["attn_norm"], eps, cfg.kernels)
     for i, (p, spec) in enumerate(zip(layers, cfg.layers)):
-        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True, rows=cache.rows)
+        a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True, rows=cache.rows, tree=cache.tree)
         h, x = residual_norm(h, a, p["post_attention_norm"], p["ffn_norm"], eps, cfg.kernels)
         nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["output_norm"]
         h, x = residual_norm(h, ffn_block(x, p, cfg.act), p["post_ffw_norm"], nxt, eps, cfg.kernels)

@@ -285,7 +285,7 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
             inv_freq = base / params["rope_freqs"][: spec.n_rot // 2]
         x = rms_norm(h, p["attn_norm"], eps, cfg.kernels)
         a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=True, v_norm=True, inv_freq=inv_freq,
-                            rows=cache.rows)
+                            rows=cache.rows, tree=cache.tree)
         h = h + rms_norm(a, p["post_attention_norm"], eps, cfg.kernels)
         if spec.moe:
             f = moe_block(p, h, cfg)

@@ -131,6 +131,13 @@ def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, rows: jax.A
 ATTN_CHUNK = 256
 
 
+def tree_slots(positions: jax.Array, tree: jax.Array | None) -> jax.Array:
+    """The cache slot of each step row [B, T]: its position, or in a tree verify the root's slot + its index."""
+    if tree is None:
+        return positions
+    return positions[:, :1] + jnp.arange(positions.shape[1], dtype=positions.dtype)[None, :]
+
+
 def attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -139,6 +146,7 @@ def attention(
     scale: float,
     window: int = 0,
     rows: jax.Array | None = None,
+    tree: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale + mask) v with GQA, over the visible part of the cache.
 
@@ -148,6 +156,9 @@ def attention(
     Mask: slot j visible to a query at position p iff j <= p (causal; stale slots past the committed length are
     always > p or were overwritten by this step), and on sliding layers additionally p - j < window (llama.cpp's
     LLAMA_SWA_TYPE_STANDARD: a query sees exactly the last `window` positions including itself).
+    tree int32 [B, T] (optional): a tree verify. q_pos is then each row's stream position (root + depth), step
+    row t is in slot q_pos[:, 0] + t (tree_slots), and it sees the slots before the root's plus step slot m iff
+    bit m of tree[b, t] is set (its ancestors and itself; each judged by its own position on sliding layers).
 
     Online softmax over cache chunks in a loop with data-dependent bounds (no recompile as the context grows); a
     capacity that is not a multiple of 16 (init_cache never makes one) takes a one-shot path over all S slots.
@@ -162,12 +173,25 @@ def attention(
     qg = q.reshape(B, T, K, G, Dh)
     p = q_pos[:, None, None, :, None]  # [B, 1, 1, T, 1] against scores [B, K, G, T, slots]
 
+    if tree is not None:
+        root = q_pos[:, :1][:, None, None, :, None]  # [B, 1, 1, 1, 1]
+        masks = tree.astype(jnp.int32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+
     def scores_of(ks, first_slot, n):
         s = jnp.einsum("btkgd,bskd->bkgts", qg, ks) * scale
         slot = first_slot + jnp.arange(n, dtype=jnp.int32)
-        visible = slot <= p
+        if tree is None:
+            visible, slot_pos = slot <= p, slot
+        else:
+            m = slot - root  # the step row a slot holds (0 <= m < T)
+            step = (m >= 0) & (m < T)
+            mc = jnp.clip(m, 0, T - 1)
+            seen = ((masks >> jnp.clip(m, 0, 31)) & 1) == 1
+            visible = jnp.where(step, seen, slot < root)
+            slot_pos = jnp.where(step, jnp.take_along_axis(
+                jnp.broadcast_to(q_pos[:, None, None, None, :], (*mc.shape[:-1], T)), mc, axis=-1), slot)
         if window:
-            visible = visible & (p - slot < window)
+            visible = visible & (p - slot_pos < window)
         return jnp.where(visible, s, NEG_INF)
 
     chunk = next((c for c in (ATTN_CHUNK, 128, 64, 32, 16) if S % c == 0), None)
@@ -177,7 +201,8 @@ def attention(
         return out.reshape(B, T, H, v_cache.shape[-1])
 
     # padding rows of a bucket near the end of the context carry positions >= S: never read past the last chunk
-    hi = jnp.minimum(jnp.max(q_pos) // chunk + 1, S // chunk)
+    last = q_pos if tree is None else tree_slots(q_pos, tree)
+    hi = jnp.minimum(jnp.max(last) // chunk + 1, S // chunk)
     lo = jnp.maximum(jnp.min(q_pos) - window + 1, 0) // chunk if window else 0
     Dv = v_cache.shape[-1]
 
@@ -350,7 +375,7 @@ def layer_inv_freq(spec) -> np.ndarray:
 
 
 def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_norm: bool, v_norm: bool = False,
-                    inv_freq=None, rows=None):
+                    inv_freq=None, rows=None, tree=None):
     """Self-attention of one layer: projections, (q/k norm), RoPE, cache write, attention, output projection.
 
     x: [B, T, D] (already input-normed); ks/vs: the cache's per-slot arrays, updated in place in the Python list
@@ -359,6 +384,7 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
     inv_freq [n_rot/2] overrides the spec's RoPE speeds (Gemma 4 divides them by the rope_freqs tensor, which is a
     weight of the file, not metadata, so it cannot live in the static LayerSpec).
     rows int32 [n] or None (KVCache.rows): x's n rows are cache rows rows[i] (written and read there alone).
+    tree int32 [n, T] or None (KVCache.tree): the rows are a tree verify (attention).
     """
     B, T, _ = x.shape
     H, K, Dh = cfg.n_heads, spec.n_kv_heads, spec.head_dim
@@ -387,13 +413,14 @@ def attention_block(p: dict, x, positions, ks: list, vs: list, spec, cfg, *, qk_
     window = cfg.window if spec.sliding else 0
     slot = spec.kv_slot
     if spec.writes_kv and cfg.kernels:  # the cache write and the attention in one C call
-        a, ks[slot], vs[slot] = kernels_attention_write(q, k, v, ks[slot], vs[slot], positions, scale, window, rows)
+        a, ks[slot], vs[slot] = kernels_attention_write(q, k, v, ks[slot], vs[slot], positions, scale, window, rows,
+                                                        tree)
     else:
         if spec.writes_kv:
-            ks[slot] = write_kv(ks[slot], k, positions, rows)
-            vs[slot] = write_kv(vs[slot], v, positions, rows)
+            ks[slot] = write_kv(ks[slot], k, tree_slots(positions, tree), rows)
+            vs[slot] = write_kv(vs[slot], v, tree_slots(positions, tree), rows)
         attend = kernels_attention if cfg.kernels else attention
-        a = attend(q, ks[slot], vs[slot], positions, scale, window, rows)
+        a = attend(q, ks[slot], vs[slot], positions, scale, window, rows, tree)
     return linear(a.reshape(B, T, H * Dh), p["attn_output"])
 
 

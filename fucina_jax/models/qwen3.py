@@ -106,7 +106,7 @@ def forward_hidden(params: dict, tokens, positions, cache: KVCache, cfg: ModelCo
     for i, (p, spec) in enumerate(zip(layers, cfg.layers)):
         inv_freq = layer_inv_freq(spec) / params["rope_freqs"] if "rope_freqs" in params else None
         a = attention_block(p, x, positions, ks, vs, spec, cfg, qk_norm=qk_norm, inv_freq=inv_freq,
-                            rows=cache.rows)
+                            rows=cache.rows, tree=cache.tree)
         h, x = residual_norm(h, a, None, p["ffn_norm"], eps, cfg.kernels)
         nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["output_norm"]
         h, x = residual_norm(h, ffn(p, x, spec, cfg), None, nxt, eps, cfg.kernels)
