@@ -11,6 +11,12 @@ The pure forwards (the model alone, for users who embed it in their own JAX code
   prefill_step   tokens [B, T in PREFILL_BUCKETS]  -> logits of each row's last valid token [B, V]
   decode_step    tokens [B]                        -> logits [B, V]
   verify_step    tokens [B, k in VERIFY_BUCKETS]   -> logits of every row [B, k, V]
+  tree_verify_step  the same over a tree: parents [B, k], row t's logits are those after its own path
+
+A tree verify's rows are a tree in topological order (row 0 the root, parents[t] < t): row t sits at stream position
+root + its depth, in cache slot root + t, and attends to the cache before the root plus its ancestors, so its values
+are bitwise those plain decoding computes after its path. `compact_step` then moves an accepted path's slots to
+where plain decoding keeps them (root + 1, root + 2, ...).
 
 Each writes its rows into the cache and returns it with `length` advanced by the rows the caller declared valid
 (prefill) or by all rows (decode/verify). The cache argument is donated: the caller must use the returned cache.
@@ -20,6 +26,9 @@ The decoder's fused steps (forward + sampler in one program, decoder.py drives t
   sample_step              prefill logits [B, V]         -> each row's first token
   decode_sample_step       tokens [B, k in STEP_WIDTHS]  -> every row's sample; k = 1 is the plain decode step
   decode_sample_rows_step  tokens [n, k], rows [n]       -> the same for n of the cache's B rows (the active ones)
+                           (both take parents [n, k]: the rows of a tree verify, each sampled after its own path)
+  compact_step             path [B, P]                   -> the cache with each row's accepted tree path moved into
+                                                            place
 
 `prefill` (host) feeds a prompt per row through prefill_step in bucketed chunks; `prepare_prefill` brings its
 programs in beforehand, so that a timer can tell loading from running.
@@ -35,7 +44,7 @@ import numpy as np
 
 from fucina_jax import aot, sampling
 from fucina_jax.models import forward_hidden, truncate, unembed
-from fucina_jax.models.cache import KVCache, on_rows
+from fucina_jax.models.cache import KVCache, on_rows, on_tree
 from fucina_jax.models.config import ModelConfig
 
 __all__ = [
@@ -50,6 +59,11 @@ __all__ = [
     "prefill_row_step",
     "decode_step",
     "verify_step",
+    "tree_verify_step",
+    "tree_layout",
+    "tree_paths",
+    "compact_step",
+    "COMPACT_SLOTS",
     "sample_step",
     "decode_sample_step",
     "decode_sample_rows_step",
@@ -110,6 +124,73 @@ def verify_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     rows past the committed length are stale and never visible after truncation)."""
     h, cache = forward_hidden(params, tokens, _positions(cache, tokens.shape[1]), cache, cfg)
     return unembed(params, h, cfg), cache
+
+
+def tree_layout(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(ancestor masks, depths), int32 [B, T] each, of a tree verify's parents [B, T] (parents[:, 0] the root's,
+    ignored; parents[:, t] in [0, t), clipped there). Bit m of masks[b, t] is set iff row m is row t or one of its
+    ancestors; depths[b, t] is the number of its ancestors. A chain (parents[t] = t - 1) has masks 2^(t+1) - 1 and
+    depths t."""
+    B, T = parents.shape
+    masks = jnp.zeros((B, T), jnp.int32).at[:, 0].set(1)
+    depth = jnp.zeros((B, T), jnp.int32)
+    for t in range(1, T):  # T <= 16: unrolled
+        p = jnp.clip(parents[:, t], 0, t - 1)[:, None]
+        masks = masks.at[:, t].set(jnp.take_along_axis(masks, p, 1)[:, 0] | (1 << t))
+        depth = depth.at[:, t].set(jnp.take_along_axis(depth, p, 1)[:, 0] + 1)
+    return masks, depth
+
+
+def tree_paths(tokens: jax.Array, masks: jax.Array, depth: jax.Array) -> jax.Array:
+    """Each tree row's path below the root, int32 [B, T, T - 1]: paths[b, t, j] is the token of row t's ancestor
+    (or itself) at depth j + 1, -1 past its depth. A chain's row t gets tokens[1 : t + 1]: the draft prefix
+    sampling.row_windows penalises it with."""
+    T = tokens.shape[1]
+    m = jnp.arange(T, dtype=jnp.int32)
+    bits = ((masks[:, :, None] >> m[None, None, :]) & 1) == 1  # [B, t, m]
+    at = depth[:, None, None, :] == (jnp.arange(1, T, dtype=jnp.int32)[None, None, :, None])  # [B, 1, j, m]
+    sel = bits[:, :, None, :] & at  # [B, t, j, m]: row m is row t's path entry j
+    picked = jnp.sum(jnp.where(sel, tokens[:, None, None, :], 0), axis=-1)
+    return jnp.where(jnp.any(sel, axis=-1), picked, -1).astype(jnp.int32)
+
+
+@aot.jit(static_argnames=("cfg",), donate_argnames=("cache",))
+def tree_verify_step(params, tokens: jax.Array, parents: jax.Array, cache: KVCache, cfg: ModelConfig):
+    """Logits of every row of a tree verify, tokens and parents [B, k] (see the module docstring): row t's are the
+    logits after the committed stream, its ancestors' tokens and its own. The cache comes back with the k rows in
+    slots length .. length + k - 1 and its length advanced by k (compact_step an accepted path into place, then
+    truncate to what you commit)."""
+    masks, depth = tree_layout(parents)
+    h, cache = forward_hidden(params, tokens, cache.length[:, None] + depth, on_tree(cache, masks), cfg)
+    return unembed(params, h, cfg), cache
+
+
+# Slots compact_step moves per row: a tree verify's deepest accepted path below its root.
+COMPACT_SLOTS = 15
+
+
+@aot.jit(donate_argnames=("cache",))
+def compact_step(cache: KVCache, start: jax.Array, path: jax.Array) -> KVCache:
+    """Each row's accepted tree path moved to where plain decoding keeps it: slot start[b] + 1 + j gets the K and
+    V of slot start[b] + path[b, j] (path int32 [B, COMPACT_SLOTS]: the tree rows accepted at depths 1, 2, ...;
+    -1 past the path, whose slots are left as they are), on every layer. The length is left alone (the next
+    step sets it). Every source slot is at or after its destination (a row's depth is at most its index), and all
+    are read before any is written."""
+    B, P = path.shape
+    S = cache.capacity
+    src = jnp.clip(start[:, None] + path, 0, S - 1)
+    dst = start[:, None] + 1 + jnp.arange(P, dtype=jnp.int32)[None, :]
+    dst = jnp.where((path >= 0) & (dst < S), dst, S)  # S: dropped
+    rows = jax.lax.broadcasted_iota(jnp.int32, (B, P), 0)
+    idx = jnp.stack([rows, dst], axis=-1)
+    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(0, 1),
+                                            scatter_dims_to_operand_dims=(0, 1))
+
+    def move(x):
+        moved = jnp.take_along_axis(x, src[:, :, None, None], axis=1)
+        return jax.lax.scatter(x, idx, moved, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+    return KVCache(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)), length=cache.length)
 
 
 @aot.jit(static_argnames=("cfg",), donate_argnames=("cache",))
@@ -237,6 +318,7 @@ def decode_sample_step(
     cap: int,
     wants_topk: bool = False,
     with_logits: bool = False,
+    parents: jax.Array | None = None,
 ):
     """The decoder's step: every row's committed history is brought up to date, then its tokens are forwarded and
     every one of its rows is sampled.
@@ -259,9 +341,13 @@ def decode_sample_step(
     None, top-K ids int32 [B, k, TOPK_FEEDBACK] or None, cache advanced to start + k). `wants_topk` and
     `with_logits` are static, so neither output is traced unless asked for (the logits are for the decoder's
     row hook, a test/debug instrument).
+
+    parents int32 [B, k] (optional): every row's tokens are a tree verify (module docstring; row 0 the carried
+    token, the root). Row (b, t) is then sampled at stream position start[b] + 1 + its depth, penalised with its
+    own path (tree_paths), and `drafts` is not read; the rows land in slots start[b] + t (compact_step).
     """
     return decode_sample_rows_step.__wrapped__(params, tokens, drafts, None, start, cache, history, pushed, n_pushed,
-                                               sparams, cfg, cap, wants_topk, with_logits)
+                                               sparams, cfg, cap, wants_topk, with_logits, parents)
 
 
 # ---- the row-mapped step: n of the cache's B rows -----------------------------------------------------------------
@@ -281,7 +367,7 @@ def row_bucket(n_active: int, batch: int) -> int:
 def decode_sample_rows_step(params, tokens: jax.Array, drafts: jax.Array, rows: jax.Array | None, start: jax.Array,
                             cache: KVCache, history: sampling.History, pushed: jax.Array, n_pushed: jax.Array,
                             sparams: sampling.SamplerParams, cfg: ModelConfig, cap: int, wants_topk: bool = False,
-                            with_logits: bool = False):
+                            with_logits: bool = False, parents: jax.Array | None = None):
     """decode_sample_step for n of the cache's B rows: step row i is cache row rows[i] (rows None: every row in
     order, which is decode_sample_step).
 
@@ -296,17 +382,25 @@ def decode_sample_rows_step(params, tokens: jax.Array, drafts: jax.Array, rows: 
     Returns (sampled int32 [n, STEP_WIDTHS[-1]], the history of all B rows after the push, logits [n, k, V] or
     None, top-K ids [n, k, TOPK_FEEDBACK] or None, the cache with rows[i] advanced to start[i] + k and every other
     row untouched). Row i's values are bitwise those of cache row rows[i] stepped alone (B = 1) with the same cache
-    contents; the caches are updated in place (no copy on the kernels' path).
+    contents; the caches are updated in place (no copy on the kernels' path). parents [n, k]: a tree verify, as
+    in decode_sample_step.
     """
     history = push_rows(history, pushed, n_pushed)
     n, k = tokens.shape
-    in_pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    if parents is None:
+        in_pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    else:  # a tree: each row at its depth, penalised with its own path
+        masks, depth = tree_layout(parents)
+        in_pos = start[:, None] + depth
+        drafts = tree_paths(tokens, masks, depth)
     if rows is None:
         cache = truncate(cache, start)
         step_history, step_sparams = history, sparams
     else:  # the forward writes and reads the mapped rows only; their history and sampler values are gathered
         cache = on_rows(cache, rows)
         step_history, step_sparams = jax.tree_util.tree_map(lambda x: x[rows], (history, sparams))
+    if parents is not None:
+        cache = on_tree(cache, masks)
     h, cache = forward_hidden(params, tokens, in_pos, cache, cfg)
     # one row: unembedded as [k, D], the shape a lone decode/verify row has always had (row-exact either way)
     logits = unembed(params, h[0], cfg)[None] if n == 1 else unembed(params, h, cfg)

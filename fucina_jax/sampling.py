@@ -264,14 +264,25 @@ def push_history(history: History, new: jax.Array, n_new: jax.Array) -> History:
 
 def row_windows(history: History, drafts: jax.Array | None, repeat_last_n: jax.Array, n_rows: int):
     """Per-row penalty windows for a verify: row i sees history + drafts[:i], cut to its last repeat_last_n tokens
-    (and to the window capacity W).
+    (and to the window capacity W). drafts [R, D] (a tree verify, engine.tree_paths): row i sees history +
+    drafts[i], its own path, -1 past its depth.
 
     Returns tokens int32 [R, W + D] and a bool mask [R, W + D] (D = len(drafts), 0 without drafts). Chronological
-    index: base slot j is j, draft d is count + d; row i's stream has length count + i.
+    index: base slot j is j, draft d is count + d; row i's stream has length count + i (a tree's: count + its
+    depth).
     """
     W = history.tokens.shape[0]
     R = n_rows
     rows = jnp.arange(R, dtype=jnp.int32)[:, None]
+    last_n = jnp.where(repeat_last_n < 0, W, jnp.minimum(repeat_last_n, W))
+    if drafts is not None and drafts.ndim == 2:  # a tree: each row's own path, left-aligned
+        D = drafts.shape[1]
+        own = drafts >= 0
+        depth = jnp.sum(own, axis=1, dtype=jnp.int32)[:, None]
+        tokens = jnp.concatenate([jnp.broadcast_to(history.tokens, (R, W)), drafts.astype(jnp.int32)], axis=1)
+        chron = jnp.concatenate([jnp.arange(W, dtype=jnp.int32), history.count + jnp.arange(D, dtype=jnp.int32)])
+        valid = jnp.concatenate([jnp.broadcast_to(jnp.arange(W)[None, :] < history.count, (R, W)), own], axis=1)
+        return tokens, valid & (chron[None, :] >= history.count + depth - last_n)
     if drafts is None:
         drafts = jnp.zeros((0,), jnp.int32)
     D = drafts.shape[0]
@@ -285,7 +296,6 @@ def row_windows(history: History, drafts: jax.Array | None, repeat_last_n: jax.A
     )
     # Never more than the last W tokens (-1 = the whole context = W when the window is sized to the context, see
     # SamplerConfig.history_capacity): a sequential run, whose window drops its oldest tokens, sees the same.
-    last_n = jnp.where(repeat_last_n < 0, W, jnp.minimum(repeat_last_n, W))
     in_window = chron[None, :] >= history.count + jnp.minimum(rows, D) - last_n  # row i's stream: count + min(i, D)
     return tokens, valid & in_window
 

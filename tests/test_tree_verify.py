@@ -100,3 +100,138 @@ def test_tree_masks_are_checked():
     for bad in ([1, 3, 1, 9], [1, 7, 5, 9], [1, 3, 5, 9 | 16]):
         with pytest.raises(Exception, match="tree row"):
             np.asarray(att(q, k_new, v_new, kc, vc, pos, np.asarray([bad], np.int32))[0])
+
+
+# ---- the model level ----------------------------------------------------------------------------------------------
+
+import fucina_jax  # noqa: E402
+from fucina_jax import engine  # noqa: E402
+from fucina_jax.models import truncate  # noqa: E402
+from fucina_jax.testing import write_fixture, write_gemma4_fixture  # noqa: E402
+
+PROMPT = list(range(5, 27))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """models(kind, qtype) -> (model on the kernels, the same file on the f32 reference path)."""
+    cache, root = {}, tmp_path_factory.mktemp("tree_fixtures")
+
+    def get(kind: str, qtype: str):
+        if (kind, qtype) not in cache:
+            path = str(root / f"{kind}-{qtype}.gguf")
+            if kind.startswith("gemma4"):
+                write_gemma4_fixture(path, kind.partition("-")[2], qtype=qtype)
+            else:
+                write_fixture(path, kind, qtype=qtype)
+            cache[kind, qtype] = (fucina_jax.load(path), fucina_jax.load(path, f32=True))
+        return cache[kind, qtype]
+
+    return get
+
+
+def chain_last_rows(model, base_cache_fn, paths_tokens):
+    """The logits plain decoding computes after each token list (after the cached prompt): a chain verify padded
+    to its bucket, its row len - 1 (verify rows are decode rows, tests/test_forward.py)."""
+    out = []
+    for toks in paths_tokens:
+        k = engine.bucket_for(max(len(toks), 2), engine.VERIFY_BUCKETS)
+        padded = np.zeros((1, k), np.int32)
+        padded[0, : len(toks)] = toks
+        logits, _ = engine.verify_step(model.params, jnp.asarray(padded), base_cache_fn(), model.config)
+        out.append(np.asarray(logits[0, len(toks) - 1]))
+    return np.stack(out)
+
+
+def tree_case(model, rng, k):
+    parents = random_parents(rng, k)
+    tokens = rng.integers(3, model.config.n_vocab, size=k).astype(np.int32)
+    if k >= 4:  # a duplicated token among siblings and a token repeated down a path
+        kids = [t for t in range(1, k) if parents[t] == 0]
+        if len(kids) >= 2:
+            tokens[kids[1]] = tokens[kids[0]]
+        tokens[k - 1] = tokens[parents[k - 1]]
+    return parents, tokens
+
+
+def prompt_cache(model, capacity=256):
+    _, cache = model.prefill(np.asarray(PROMPT, np.int32), model.new_cache(capacity))
+    return cache
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, qtype", [("qwen3", "Q4_1"), ("gemma3", "F32"), ("gemma4-e2b", "Q8_0"),
+                                         ("qwen3moe", "Q8_0")])
+def test_tree_rows_are_plain_rows_bitwise(models, kind, qtype):
+    """Every row of random trees at every verify width: bitwise the logits plain decoding computes after that row's
+    path (kernels); the f32 reference path within rounding, with the same argmax."""
+    fast, ref = models(kind, qtype)
+    rng = np.random.default_rng(hash(kind) % 1000)
+    for model, exact in ((fast, True), (ref, False)):
+        for k in engine.VERIFY_BUCKETS:
+            parents, tokens = tree_case(model, rng, k)
+            logits, cache = engine.tree_verify_step(model.params, jnp.asarray(tokens[None]),
+                                                    jnp.asarray(parents[None]), prompt_cache(model), model.config)
+            assert int(cache.length[0]) == len(PROMPT) + k
+            got = np.asarray(logits[0])
+            want = chain_last_rows(model, lambda: prompt_cache(model),
+                                   [tokens[path_of(parents, t)] for t in range(k)])
+            if exact:
+                np.testing.assert_array_equal(got, want)
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+                assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, qtype", [("qwen3", "Q4_1"), ("gemma4-e2b", "Q8_0")])
+def test_compaction_equals_a_fresh_prefill_of_the_path(models, kind, qtype):
+    """After a tree verify, compact_step on an accepted path (a deep leaf's, off the first chain) gives the cache a
+    fresh prefill of prompt + path has, slot for slot, and the next decode step's logits are bitwise the same."""
+    fast, _ = models(kind, qtype)
+    rng = np.random.default_rng(5)
+    for k in (4, 8, 16):
+        parents, tokens = tree_case(fast, rng, k)
+        parents[1:] = np.minimum(parents[1:], np.arange(k - 1))  # keep it a tree; make a deep path likely
+        leaf = max(range(k), key=lambda t: (len(path_of(parents, t)), t))
+        path = path_of(parents, leaf)  # rows, root first
+        n0 = len(PROMPT)
+        _, cache = engine.tree_verify_step(fast.params, jnp.asarray(tokens[None]), jnp.asarray(parents[None]),
+                                           prompt_cache(fast), fast.config)
+        moves = np.full((1, engine.COMPACT_SLOTS), -1, np.int32)
+        moves[0, : len(path) - 1] = path[1:]
+        cache = truncate(engine.compact_step(cache, np.asarray([n0], np.int32), moves), n0 + len(path))
+        fresh = fast.new_cache(256)
+        _, fresh = fast.prefill(np.asarray(PROMPT + tokens[path].tolist(), np.int32), fresh)
+        n = n0 + len(path)
+        for a, b in zip(cache.k + cache.v, fresh.k + fresh.v):
+            np.testing.assert_array_equal(np.asarray(a)[0, :n], np.asarray(b)[0, :n])
+        nxt = jnp.asarray([7], jnp.int32)
+        la, _ = engine.decode_step(fast.params, nxt, cache, fast.config)
+        lb, _ = engine.decode_step(fast.params, nxt, fresh, fast.config)
+        np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+        if path != list(range(len(path))):  # a path off the first chain: without the move it would differ
+            _, raw = engine.tree_verify_step(fast.params, jnp.asarray(tokens[None]), jnp.asarray(parents[None]),
+                                             prompt_cache(fast), fast.config)
+            lc, _ = engine.decode_step(fast.params, nxt, truncate(raw, n), fast.config)
+            assert not np.array_equal(np.asarray(lc), np.asarray(lb))
+
+
+def test_tree_layout_and_paths_match_the_definition():
+    rng = np.random.default_rng(9)
+    for k in (2, 4, 8, 16):
+        parents = np.stack([random_parents(rng, k) for _ in range(3)])
+        tokens = rng.integers(0, 1000, size=(3, k)).astype(np.int32)
+        masks, depth = (np.asarray(x) for x in engine.tree_layout(jnp.asarray(parents)))
+        paths = np.asarray(engine.tree_paths(jnp.asarray(tokens), jnp.asarray(masks), jnp.asarray(depth)))
+        for b in range(3):
+            m, d = layout(parents[b])
+            np.testing.assert_array_equal(masks[b], m)
+            np.testing.assert_array_equal(depth[b], d)
+            for t in range(k):
+                want = tokens[b, path_of(parents[b], t)[1:]].tolist()
+                assert paths[b, t].tolist() == want + [-1] * (k - 1 - len(want))
+    chain = np.arange(-1, 7, dtype=np.int32)[None]
+    masks, depth = engine.tree_layout(jnp.asarray(chain))
+    assert np.asarray(masks)[0].tolist() == [2 ** (t + 1) - 1 for t in range(8)]
+    assert np.asarray(depth)[0].tolist() == list(range(8))
