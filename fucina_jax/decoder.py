@@ -67,6 +67,7 @@ __all__ = [
     "SpecStats",
     "VerifyRowHook",
     "accept",
+    "accept_tree",
     "check_request",
 ]
 
@@ -92,18 +93,32 @@ class Outcome:
 
     committed: tuple[int, ...]
     stopped: bool  # a stop id was sampled right after `committed` (not committed)
-    drafted: int  # draft tokens verified (0: a plain step)
+    drafted: int  # draft tokens verified (0: a plain step); a tree's: its nodes
     accepted: int  # draft tokens committed verbatim
+    # A tree verify (accept_tree): the step rows of the accepted path, the root first (accepted + 1 of them; row j of
+    # it holds the logits after committed[:j]), and whether it ends at a leaf. Empty for a chain, whose path is
+    # rows 0 .. accepted.
+    path: tuple[int, ...] = ()
+    leaf: bool = False
 
     @property
     def rejected(self) -> bool:
         """The verify ended in a correction token (a sample that differed from its draft token)."""
+        if self.path:
+            return not self.stopped and not self.leaf and self.accepted < len(self.committed)
         return not self.stopped and self.accepted < min(len(self.committed), self.drafted)
 
     @property
     def bonus(self) -> bool:
-        """The whole draft matched: the row after it gave a free token."""
+        """The whole draft matched: the row after it gave a free token (a tree: the path reached a leaf)."""
+        if self.path:
+            return self.leaf and len(self.committed) == self.accepted + 1
         return self.drafted > 0 and len(self.committed) == self.drafted + 1
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """The step rows whose samples were committed, in stream order (their logits produced `committed`)."""
+        return self.path[: len(self.committed)] if self.path else tuple(range(len(self.committed)))
 
 
 def accept(sampled: Sequence[int], draft: Sequence[int], stops: Container[int], limit: int) -> Outcome:
@@ -130,6 +145,38 @@ def accept(sampled: Sequence[int], draft: Sequence[int], stops: Container[int], 
         if len(committed) >= limit:
             return Outcome(tuple(committed), False, d, i + 1)
     raise AssertionError("unreachable: the walk ends at row d")
+
+
+def accept_tree(sampled: Sequence[int], tokens: Sequence[int], parents: Sequence[int], stops: Container[int],
+                limit: int) -> Outcome:
+    """The accept rule over a tree verify: rows 0..m (tokens[0] the carried token, the root; parents[t] < t the
+    row row t hangs from, parents[0] ignored), sampled[t] the target's pick after row t's path (its own stream
+    position, its path's penalties).
+
+    Walk from the root: commit the current row's sample; follow the first child whose token equals it (that child's
+    path is then the committed stream, so its sample is what plain decoding draws next); no such child makes the
+    sample the correction token, and a leaf's sample is the bonus. A stop id ends the walk before it is committed,
+    and so does `limit` after that many ids, as in `accept` (a chain is the tree parents[t] = t - 1, with the same
+    outcome). Only the accepted path is committed; every other row is discarded unread."""
+    m = len(tokens) - 1
+    children: dict[int, list[int]] = {}
+    for t in range(1, m + 1):
+        children.setdefault(int(parents[t]), []).append(t)
+    committed: list[int] = []
+    path = [0]
+    node = 0
+    while True:
+        t = int(sampled[node])
+        if t in stops:
+            return Outcome(tuple(committed), True, m, len(path) - 1, tuple(path), node not in children)
+        committed.append(t)
+        nxt = next((c for c in children.get(node, ()) if int(tokens[c]) == t), None)
+        if nxt is None:
+            return Outcome(tuple(committed), False, m, len(path) - 1, tuple(path), node not in children)
+        path.append(nxt)
+        node = nxt
+        if len(committed) >= limit:
+            return Outcome(tuple(committed), False, m, len(path) - 1, tuple(path), False)
 
 
 @dataclasses.dataclass
@@ -292,6 +339,7 @@ class Decoder:
         self.gate = CostGate(self.options)  # the cost model (both policies) and the "gate" policy's on/off state
         self.acceptance = AcceptanceModel()  # the "economics" policy's evidence
         self.widths: dict[int, int] = {}  # steps per chosen width ("economics")
+        self.tree_steps = 0  # verifies that ran as a tree ("economics" with tree_siblings)
         self.clock = clock
         self.on_verify_row = on_verify_row
         self.rows: list[Row | None] = [None] * self.B
@@ -430,6 +478,7 @@ class Decoder:
         min_draft = 1 if economics else o.min_draft  # the economics weigh every draft length themselves
         limits = {}
         drafts = {}
+        siblings = {}  # b -> [(token, evidence key)]: alternatives to its draft's first token (a tree verify)
         for b in active:
             row = rows[b]
             row.stats.steps += 1
@@ -439,15 +488,21 @@ class Decoder:
             if speculate and row.source is not None and max_draft >= min_draft:
                 self.failed_row = b  # a source that raises fails the step before anything runs
                 d = self._suggest(b, row, max_draft)
-                self.failed_row = None
                 if d < min_draft:
                     d = 0
+                if d and economics and o.tree_siblings and max_draft >= 2:
+                    siblings[b] = self._siblings(b, row, o.tree_siblings)
+                self.failed_row = None
             if d:
                 drafts[b] = self._buf[:d].copy()
         keys = {}
         chosen = 0
+        # b -> (tokens [m], parent rows [m] (0: the root), its chain's nodes in it, the step row of the chain's first
+        # node or -1) of a row verified as a tree
+        trees = {}
+        firsts = {b: int(x[0]) for b, x in drafts.items()}  # each draft's first token, before any cut
         if economics and drafts:
-            chosen, drafts, keys, shadow = self._weigh(active, drafts)
+            chosen, drafts, keys, shadow, trees = self._weigh(active, drafts, siblings, limits)
         else:
             shadow = {}
         for b in active:
@@ -474,34 +529,51 @@ class Decoder:
         for b, x in drafts.items():
             toks[at[b], 1 : 1 + x.size] = x
             dr[at[b], : x.size] = x
+        parents = None
+        if trees:  # every row's rows as a tree: chains as chains, the tree rows with their own parents
+            parents = np.broadcast_to(np.arange(-1, width - 1, dtype=np.int32), (n_step, width)).copy()
+            for b, (tt, pp, _, _) in trees.items():
+                toks[at[b], 1 : 1 + tt.size] = tt
+                parents[at[b], 1 : 1 + pp.size] = pp
         hook = self.on_verify_row
         wants_topk = width > 1 and any(getattr(rows[b].source, "wants_topk", False) for b in drafts)
         events = aot.events()
         t0 = self.clock() if self.clock else 0
         cache, self.cache = self.cache, None  # donated below
         try:
-            fn, args, kwargs = self._step_call(toks, dr, order, start, cache, wants_topk)
+            fn, args, kwargs = self._step_call(toks, dr, order, start, cache, wants_topk, parents)
             sampled_dev, self.history, logits, topk, self.cache = fn(*args, **kwargs)
         except BaseException:
             self.cache = cache  # the forward failed: its input may still be whole (cache_alive tells)
             raise
         self._n_pushed = np.zeros(self.B, np.int32)  # pushed: until this step commits, nothing is pending
         sampled = np.asarray(sampled_dev)
-        step_ns = self.clock() - t0 if self.clock and aot.events() == events else None
         out: list[Outcome | None] = [None] * self.B
         for b in active:
-            x = drafts.get(b, ())
-            out[b] = accept(sampled[at[b]], x, rows[b].stops, limits[b])
+            if b in trees:
+                m = trees[b][0].size
+                out[b] = accept_tree(sampled[at[b]], toks[at[b], : m + 1], parents[at[b], : m + 1], rows[b].stops,
+                                     limits[b])
+            else:
+                out[b] = accept(sampled[at[b]], drafts.get(b, ()), rows[b].stops, limits[b])
+        if trees:
+            self._compact(out, order, start)
+        step_ns = self.clock() - t0 if self.clock and aot.events() == events else None
         if hook is not None:  # before anything is committed: a hook that raises leaves the step uncommitted
             rows_np = np.asarray(logits)[0]
             o0 = out[0]
-            for i in range(len(o0.committed) + o0.stopped):
-                hook(rows[0].n + i, i, rows_np[i])
+            consulted = o0.path or range(len(o0.committed) + o0.stopped)
+            for i, r in enumerate(consulted[: len(o0.committed) + o0.stopped]):
+                hook(rows[0].n + i, i, rows_np[r])
         n_new = np.zeros(self.B, np.int32)
         for b in active:
             self._commit(rows[b], out[b])
             n_new[b] = len(out[b].committed)
-        if n_step == self.B:
+        if trees:  # the committed ids are the samples of each row's path, not of its first rows: push those
+            self._pushed = np.full((self.B, sampled.shape[1]), -1, np.int32)
+            for b in active:
+                self._pushed[b, : len(out[b].committed)] = out[b].committed
+        elif n_step == self.B:
             self._pushed = sampled_dev
         else:  # the next step pushes from every cache row's samples: these rows' from the host copy
             self._pushed = np.full((self.B, sampled.shape[1]), -1, np.int32)
@@ -509,9 +581,21 @@ class Decoder:
         self._n_pushed = n_new
         if economics:
             for b, key in keys.items():  # what the verified drafts earned; unverified ones, their first token
-                self.acceptance.record(key, out[b].drafted, out[b].accepted)
+                if b in trees:  # the chain's part of the tree; below its first node only chain nodes hang
+                    _, _, n_chain, first_row = trees[b]
+                    followed = first_row > 0 and out[b].path[1:2] == (first_row,)
+                    if n_chain:
+                        self.acceptance.record(key, n_chain, out[b].accepted if followed else 0)
+                    else:
+                        self.acceptance.record(key, 1, int(bool(out[b].committed) and
+                                                           out[b].committed[0] == firsts[b]))
+                else:
+                    self.acceptance.record(key, out[b].drafted, out[b].accepted)
             for b, (key, first) in shadow.items():
                 self.acceptance.record(key, 1, int(bool(out[b].committed) and out[b].committed[0] == first))
+            for b, sibs in siblings.items():  # every alternative offered, verified or not: was it the next token?
+                for tok, key in sibs:
+                    self.acceptance.record(key, 1, int(bool(out[b].committed) and out[b].committed[0] == tok))
             if width > 1 and step_ns is not None:
                 gate.note_step(width, n_step, step_ns)
             elif width == 1 and step_ns is not None:
@@ -523,7 +607,8 @@ class Decoder:
         failure = None
         for b in active:  # every row's source is fed even when another's raises; the first error is raised after
             try:
-                self._observe(rows[b], out[b], None if topk_rows is None or b not in drafts else topk_rows[at[b]])
+                self._observe(rows[b], out[b], None if topk_rows is None or b not in drafts else
+                              topk_rows[at[b]][list(out[b].rows)])
             except Exception as e:
                 if failure is None:
                     failure, self.failed_row = e, b
@@ -533,10 +618,12 @@ class Decoder:
 
     # ---- internals ----------------------------------------------------------------------------------------
 
-    def _step_call(self, toks, dr, order, start, cache, wants_topk: bool):
+    def _step_call(self, toks, dr, order, start, cache, wants_topk: bool, parents=None):
         """(the compiled step, its arguments, its keywords) of a step over tokens [n, width] of the cache rows
-        `order`: every row's step (n = B), or the rows step over n of them."""
+        `order`: every row's step (n = B), or the rows step over n of them; parents [n, width]: a tree verify."""
         kwargs = dict(wants_topk=wants_topk, with_logits=self.on_verify_row is not None)
+        if parents is not None:
+            dr = engine.TreeDraft(parents)
         tail = (cache, self.history, self._pushed, self._n_pushed, self._sparams, self.model.config, self._cap)
         if len(order) == self.B:
             return self.steps.decode_sample_step, (self.model.params, toks, dr, start, *tail), kwargs
@@ -552,15 +639,16 @@ class Decoder:
             raise RuntimeError("call begin() first: the step programs are keyed on the cache and sampler state")
         brought = 0
         for n_step in sorted({engine.row_bucket(k, self.B) for k in range(1, self.B + 1)}):
-            for width in engine.STEP_WIDTHS:
-                fn, key, args, kwargs = self._program(n_step, width, width > 1)
+            for width, tree in [(w, False) for w in engine.STEP_WIDTHS] + \
+                    [(w, True) for w in engine.VERIFY_BUCKETS if self.options.tree_siblings]:
+                fn, key, args, kwargs = self._program(n_step, width, width > 1, tree)
                 if key is not None and fn.has(key):
                     continue
                 fn.prepare(*args, **kwargs)
                 brought += 1
         return brought
 
-    def _ready(self, n_step: int, width: int, wants_topk: bool) -> bool:
+    def _ready(self, n_step: int, width: int, wants_topk: bool, tree: bool = False) -> bool:
         """Whether the step program of (n_step rows, width) is in the process. A live decoder (one with a clock, on
         the engine's steps) verifies only at widths whose program is: one that is not is brought in by the
         background preparer (aot.PREPARER) while the rows step at other widths, so no request waits for the
@@ -570,22 +658,23 @@ class Decoder:
         without a clock (the tests, a replay) every width is ready."""
         if not self.background_compile or self.clock is None or self.steps is not engine:
             return True
-        sig = (n_step, width, wants_topk, self._cap, self._window, self.cache.capacity)
+        sig = (n_step, width, wants_topk, tree, self._cap, self._window, self.cache.capacity)
         known = self._program_keys.get(sig)
         if known is None:
-            known = self._program_keys[sig] = self._program(n_step, width, wants_topk)[:2]
+            known = self._program_keys[sig] = self._program(n_step, width, wants_topk, tree)[:2]
         fn, key = known
         if key is None or fn.has(key):
             return True
-        aot.PREPARER.submit(*self._program(n_step, width, wants_topk))
+        aot.PREPARER.submit(*self._program(n_step, width, wants_topk, tree))
         return False
 
-    def _program(self, n_step: int, width: int, wants_topk: bool):
-        """(the step, its program key, its arguments, its keywords) of a step of (n_step rows, width) over the
-        current cache and sampler state, the token arrays as shapes (for Step.prepare and Step.has)."""
+    def _program(self, n_step: int, width: int, wants_topk: bool, tree: bool = False):
+        """(the step, its program key, its arguments, its keywords) of a step of (n_step rows, width) (a tree
+        verify's with tree) over the current cache and sampler state, the token arrays as shapes (for Step.prepare
+        and Step.has)."""
         spec = jax.ShapeDtypeStruct((n_step, width), np.int32)
         fn, args, kwargs = self._step_call(spec, spec, list(range(n_step)), np.zeros(n_step, np.int32), self.cache,
-                                           wants_topk)
+                                           wants_topk, spec if tree else None)
         key = fn.program_key(*args, **kwargs) if hasattr(fn, "program_key") else None
         return fn, key, args, kwargs
 
@@ -619,29 +708,105 @@ class Decoder:
             # one row per committed id, in order (DraftSource.observe_topk); rejected rows are not passed
             src.observe_topk(topk_rows[: len(o.committed)])
 
-    def _weigh(self, active: list[int], drafts: dict):
+    def _weigh(self, active: list[int], drafts: dict, siblings: dict, limits: dict):
         """The "economics" policy: the step width with the best expected tokens per unit of measured time for these
         drafts (speculative/economics.py), among the widths whose program is ready (_ready). Returns (that width,
-        the drafts cut to it, each verified row's evidence key, and for each row whose draft is not verified (key,
-        its first token): the step still shows whether it was right)."""
+        the drafts cut to it, each verified row's evidence key, for each row whose draft is not verified (key,
+        its first token): the step still shows whether it was right, and the rows verified as trees).
+
+        A row with siblings (alternatives to its draft's first token) offers a tree: its chain's nodes, with
+        P(node) = the chain's cumulative acceptance, and each sibling as a leaf under the root, with P = its key's
+        first-token acceptance. A step of width w verifies each row's w - 1 likeliest nodes (a node is never
+        likelier than its parent, so they form a tree), which is worth 1 + the sum of their P: the chain's value
+        when the likeliest nodes are its first ones, so a chain stays a chain."""
         keys = {}
-        chains = []
+        ranked = []  # per active row: its nodes' P, best first (what choose_width weighs)
+        nodes = {}  # b -> (tokens, parents (-1: the root), P) of its candidate nodes, in the chosen order
         for b in active:
-            if b in drafts:
-                src = self.rows[b].source
-                keys[b] = src.evidence() if callable(getattr(src, "evidence", None)) else "draft"
-                chains.append(self.acceptance.chain(keys[b], len(drafts[b])))
-            else:
-                chains.append(np.zeros(0))
+            if b not in drafts:
+                ranked.append(np.zeros(0))
+                continue
+            src = self.rows[b].source
+            keys[b] = src.evidence() if callable(getattr(src, "evidence", None)) else "draft"
+            x = drafts[b]
+            p = self.acceptance.chain(keys[b], len(x))
+            sibs = siblings.get(b, ())
+            if not sibs:
+                ranked.append(p)
+                continue
+            toks = np.concatenate([x, np.asarray([t for t, _ in sibs], np.int32)])
+            par = np.concatenate([np.arange(-1, len(x) - 1), np.full(len(sibs), -1)]).astype(np.int32)
+            prob = np.concatenate([p, [self.acceptance.chain(k, 1)[0] for _, k in sibs]])
+            order = sorted(range(len(toks)), key=lambda i: (-prob[i], i))[: max(limits[b] - 1, 0)]
+            nodes[b] = (order, toks, par)
+            ranked.append(prob[order])
         n_step = engine.row_bucket(len(active), self.B)
         wants_topk = any(getattr(self.rows[b].source, "wants_topk", False) for b in drafts)
         widths = [w for w in engine.STEP_WIDTHS if w == 1 or self._ready(n_step, w, wants_topk)]
-        width, value = choose_width(chains, widths, lambda w: self.gate.step_cost(w, n_step),
+        width, value = choose_width(ranked, widths, lambda w: self.gate.step_cost(w, n_step),
                                     self.options.min_gain)
         self.widths[width] = self.widths.get(width, 0) + 1
         if width == 1:
-            return 1, {}, {}, {b: (keys[b], int(x[0])) for b, x in drafts.items()}
-        return width, {b: x[: width - 1] for b, x in drafts.items()}, keys, {}
+            return 1, {}, {}, {b: (keys[b], int(x[0])) for b, x in drafts.items()}, {}
+        trees = {}
+        cut = {b: x[: width - 1] for b, x in drafts.items()}
+        for b, (order, toks, par) in nodes.items():
+            chosen = order[: width - 1]
+            if chosen == list(range(len(chosen))):  # the chain's first nodes: a chain
+                cut[b] = toks[: len(chosen)]
+                continue
+            row_of = {g: 1 + i for i, g in enumerate(chosen)}  # candidate -> its step row
+            n_chain = sum(g < len(drafts[b]) for g in chosen)  # the chain's first n_chain tokens are in the tree
+            trees[b] = (toks[chosen], np.asarray([0 if par[g] < 0 else row_of[par[g]] for g in chosen], np.int32),
+                        n_chain, row_of.get(0, -1))
+            cut[b] = drafts[b][:n_chain]
+        if trees and not self._ready(n_step, width, wants_topk, tree=True):
+            trees = {}  # the tree program is not in yet (a server's warm-up): chains meanwhile
+        if trees:
+            self.tree_steps += 1
+        return width, cut, keys, {}, trees
+
+    def _siblings(self, b: int, row: Row, k: int) -> list[tuple[int, object]]:
+        """The row's source's alternatives to its draft's first token (DraftSource.siblings), checked."""
+        fn = getattr(row.source, "siblings", None)
+        if not callable(fn):
+            return []
+        sibs = list(fn(k))[:k]
+        V = self.model.config.n_vocab
+        first = int(self._buf[0])
+        out, seen = [], {first}
+        for item in sibs:
+            tok, key = item
+            if not is_int(tok) or not 0 <= tok < V:
+                who = "the draft source" if self.B == 1 else f"the draft source of row {b}"
+                raise DraftSourceError(f"{who} offered sibling {tok!r}, outside the vocabulary [0, {V})")
+            if int(tok) not in seen:  # a duplicate would be verified twice for nothing
+                seen.add(int(tok))
+                out.append((int(tok), key))
+        return out
+
+    def _compact(self, out: list, order: list[int], start: np.ndarray) -> None:
+        """After a tree verify: move each row's accepted path into the slots plain decoding keeps it in
+        (engine.compact_step), where it is not already there (a path along rows 1, 2, ...: a chain's)."""
+        moves = np.full((self.B, engine.COMPACT_SLOTS), -1, np.int32)
+        starts = np.zeros(self.B, np.int32)
+        needed = False
+        for i, b in enumerate(order):
+            o = out[b] if b < len(out) else None
+            if o is None or not o.path:
+                continue
+            nodes = o.path[1:]
+            if list(nodes) != list(range(1, len(nodes) + 1)):
+                moves[b, : len(nodes)] = nodes
+                starts[b] = start[i]
+                needed = True
+        if needed:
+            cache, self.cache = self.cache, None
+            try:
+                self.cache = self.steps.compact_step(cache, starts, moves)
+            except BaseException:
+                self.cache = cache
+                raise
 
     def _price(self, width: int, active: list[int], out: list, step_ns) -> None:
         """Feed the step's outcome and cost to the gate: a plain step's time, or a verify's tokens and cost."""

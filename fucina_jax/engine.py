@@ -36,6 +36,7 @@ programs in beforehand, so that a timer can tell loading from running.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -60,6 +61,7 @@ __all__ = [
     "decode_step",
     "verify_step",
     "tree_verify_step",
+    "TreeDraft",
     "tree_layout",
     "tree_paths",
     "compact_step",
@@ -124,6 +126,15 @@ def verify_step(params, tokens: jax.Array, cache: KVCache, cfg: ModelConfig):
     rows past the committed length are stale and never visible after truncation)."""
     h, cache = forward_hidden(params, tokens, _positions(cache, tokens.shape[1]), cache, cfg)
     return unembed(params, h, cfg), cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeDraft:
+    """A step's drafts as a tree verify (decode_sample_step's `drafts`): parents int32 [n, k], row t's parent row
+    (< t; row 0, the carried token, is the root). A chain's drafts are the plain int32 [n, k] array."""
+
+    parents: jax.Array
 
 
 def tree_layout(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -318,7 +329,6 @@ def decode_sample_step(
     cap: int,
     wants_topk: bool = False,
     with_logits: bool = False,
-    parents: jax.Array | None = None,
 ):
     """The decoder's step: every row's committed history is brought up to date, then its tokens are forwarded and
     every one of its rows is sampled.
@@ -342,12 +352,12 @@ def decode_sample_step(
     `with_logits` are static, so neither output is traced unless asked for (the logits are for the decoder's
     row hook, a test/debug instrument).
 
-    parents int32 [B, k] (optional): every row's tokens are a tree verify (module docstring; row 0 the carried
-    token, the root). Row (b, t) is then sampled at stream position start[b] + 1 + its depth, penalised with its
-    own path (tree_paths), and `drafts` is not read; the rows land in slots start[b] + t (compact_step).
+    drafts = TreeDraft(parents [B, k]): every row's tokens are a tree verify (module docstring; row 0 the carried
+    token, the root). Row (b, t) is then sampled at stream position start[b] + 1 + its depth and penalised with
+    its own path (tree_paths); the rows land in slots start[b] + t (compact_step).
     """
     return decode_sample_rows_step.__wrapped__(params, tokens, drafts, None, start, cache, history, pushed, n_pushed,
-                                               sparams, cfg, cap, wants_topk, with_logits, parents)
+                                               sparams, cfg, cap, wants_topk, with_logits)
 
 
 # ---- the row-mapped step: n of the cache's B rows -----------------------------------------------------------------
@@ -367,7 +377,7 @@ def row_bucket(n_active: int, batch: int) -> int:
 def decode_sample_rows_step(params, tokens: jax.Array, drafts: jax.Array, rows: jax.Array | None, start: jax.Array,
                             cache: KVCache, history: sampling.History, pushed: jax.Array, n_pushed: jax.Array,
                             sparams: sampling.SamplerParams, cfg: ModelConfig, cap: int, wants_topk: bool = False,
-                            with_logits: bool = False, parents: jax.Array | None = None):
+                            with_logits: bool = False):
     """decode_sample_step for n of the cache's B rows: step row i is cache row rows[i] (rows None: every row in
     order, which is decode_sample_step).
 
@@ -383,10 +393,11 @@ def decode_sample_rows_step(params, tokens: jax.Array, drafts: jax.Array, rows: 
     None, top-K ids [n, k, TOPK_FEEDBACK] or None, the cache with rows[i] advanced to start[i] + k and every other
     row untouched). Row i's values are bitwise those of cache row rows[i] stepped alone (B = 1) with the same cache
     contents; the caches are updated in place (no copy on the kernels' path). parents [n, k]: a tree verify, as
-    in decode_sample_step.
+    in decode_sample_step (drafts = TreeDraft(parents)).
     """
     history = push_rows(history, pushed, n_pushed)
     n, k = tokens.shape
+    parents = drafts.parents if isinstance(drafts, TreeDraft) else None
     if parents is None:
         in_pos = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     else:  # a tree: each row at its depth, penalised with its own path

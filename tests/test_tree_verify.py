@@ -235,3 +235,174 @@ def test_tree_layout_and_paths_match_the_definition():
     masks, depth = engine.tree_layout(jnp.asarray(chain))
     assert np.asarray(masks)[0].tolist() == [2 ** (t + 1) - 1 for t in range(8)]
     assert np.asarray(depth)[0].tolist() == list(range(8))
+
+
+# ---- the accept rule over a tree ----------------------------------------------------------------------------------
+
+from fucina_jax.decoder import Decoder, Request, accept, accept_tree  # noqa: E402
+
+
+def plain_reference(stream, tokens, parents, stops, limit):
+    """What plain decoding commits, from its stream: the longest run of `stream` the tree holds as a path below
+    the root, plus the next id, cut before a stop id and at `limit` (an independent reference of accept_tree)."""
+    out, node = [], 0
+    while True:
+        t = stream[len(out)]
+        if t in stops:
+            return out, True
+        out.append(t)
+        if len(out) >= limit:
+            return out, False
+        kids = [c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == t]
+        if not kids:
+            return out, False
+        node = kids[0]
+
+
+def test_accept_tree_is_plain_decoding_over_random_trees():
+    """Random trees (duplicated siblings, the stream's ids planted on random paths, stop ids inside branches, every
+    limit): accept_tree commits what plain decoding commits, only rows whose path is the committed stream are read,
+    and on a chain it is `accept`."""
+    rng = np.random.default_rng(11)
+    for case in range(3000):
+        k = int(rng.choice([2, 4, 8, 16]))
+        parents = random_parents(rng, k)
+        stream = rng.integers(0, 6, size=k + 2).tolist()  # a tiny vocabulary: collisions and duplicates abound
+        tokens = rng.integers(0, 6, size=k).astype(np.int32)
+        masks, depth = layout(parents)
+        for t in rng.choice(k, size=k // 2):  # plant the stream along some paths
+            for r in path_of(parents, int(t))[1:]:
+                tokens[r] = stream[depth[r] - 1]
+        stops = {int(rng.integers(0, 6))} if case % 3 == 0 else set()
+        limit = int(rng.integers(1, k + 2))
+        # a row whose path is the stream is sampled with the stream's next id; any other row with junk
+        on_stream = [all(tokens[r] == stream[depth[r] - 1] for r in path_of(parents, t)[1:]) for t in range(k)]
+        sampled = [stream[depth[t]] if on_stream[t] else int(rng.integers(0, 6)) for t in range(k)]
+        o = accept_tree(sampled, tokens, parents, stops, limit)
+        want, stopped = plain_reference(stream, tokens, parents, stops, limit)
+        assert list(o.committed) == want and o.stopped == stopped, case
+        assert all(on_stream[r] for r in o.path) and o.path[0] == 0
+        assert o.accepted == len(o.path) - 1 and o.rows == o.path[: len(o.committed)]
+        chain = np.arange(-1, k - 1)
+        c = accept_tree(sampled, tokens, chain, stops, limit)
+        assert (c.committed, c.stopped, c.accepted) == (lambda a: (a.committed, a.stopped, a.accepted))(
+            accept(sampled, tokens[1:], stops, limit))
+
+
+# ---- the decoder with adversarial trees ---------------------------------------------------------------------------
+
+from spec_helpers import ScriptedSource, garbage, perfect  # noqa: E402
+
+from fucina_jax.generate import generate  # noqa: E402
+from fucina_jax.sampling import SamplerConfig  # noqa: E402
+from fucina_jax.speculative import SpecOptions  # noqa: E402
+from fucina_jax.speculative.economics import AcceptanceModel  # noqa: E402
+
+GREEDY = SamplerConfig(temperature=0.0, top_k=20, seed=0)
+SAMPLED = SamplerConfig(temperature=0.8, top_k=20, repeat_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3,
+                        repeat_last_n=64, seed=99)
+TREES = SpecOptions(tree_siblings=3, min_gain=0.0)
+
+
+class TreeSource(ScriptedSource):
+    """A ScriptedSource that also offers siblings(k): sib_fn(stream, step) -> ids."""
+
+    def __init__(self, draft_fn, sib_fn):
+        super().__init__(draft_fn)
+        self.sib_fn = sib_fn
+
+    def siblings(self, k):
+        return [(t, f"sibling{i}") for i, t in enumerate(self.sib_fn(self.observed, self.suggests - 1)[:k])]
+
+
+def truth_at(truth):
+    return lambda stream: truth[len(stream)] if len(stream) < len(truth) else 0
+
+
+def sibling_fns(truth, V):
+    nxt = truth_at(truth)
+    return {
+        # the chain is wrong and the truth is a sibling: every accepted path leaves the first chain (compaction)
+        "truth-sibling": (garbage(truth, V), lambda s, i: [(nxt(s) + 1) % V, nxt(s), nxt(s)]),
+        # the chain is right, the siblings wrong (and one duplicates the chain's first token)
+        "wrong-siblings": (perfect(truth), lambda s, i: [nxt(s), (nxt(s) + 2) % V, (nxt(s) + 5) % V]),
+        # steps alternate: which branch holds the truth changes
+        "mixed": (lambda s, i: perfect(truth)(s, i) if i % 2 else garbage(truth, V)(s, i),
+                  lambda s, i: [(nxt(s) + 3) % V, nxt(s)] if i % 3 else [(nxt(s) + 4) % V]),
+    }
+
+
+def tree_decode(model, prompt, source, sampler, max_tokens, stops=(), ctx=128):
+    dec = Decoder(model, ctx=ctx, options=TREES)
+    dec.acceptance = AcceptanceModel(prior_mean=0.9)  # every key promising: the trees get verified
+    req = Request(tuple(prompt), max_tokens, sampler.validate(), frozenset(stops), source)
+    tokens = list(dec.first(dec.begin([req]))[0].committed)
+    paths_off_chain = 0
+    while dec.active:
+        o = dec.step()[0]
+        tokens += o.committed
+        paths_off_chain += bool(o.path) and list(o.path[1:]) != list(range(1, len(o.path)))
+    return tokens, dec, paths_off_chain
+
+
+@pytest.fixture(scope="module")
+def qwen3(fixture_path, load_model):
+    return load_model(fixture_path("qwen3"))
+
+
+@pytest.mark.parametrize("sampler", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["truth-sibling", "wrong-siblings", "mixed"])
+def test_tree_decoding_is_plain_decoding(qwen3, kind, sampler):
+    """Speculative decoding with sibling trees commits the plain stream, greedy and sampled (penalties on: each
+    tree row is penalised with its own path), with paths off the first chain (compacted) where the truth is a
+    sibling; the source observes exactly the committed stream, and its top-K rows are the committing rows'."""
+    prompt = qwen3.tokenizer.encode("0 1 2 3 0 1 2 3 0 1 2", add_special=True)
+    plain = generate(qwen3, prompt, max_tokens=40, sampler=sampler, ctx=128, stop_ids=()).run()
+    truth = prompt + plain.tokens
+    draft, sib = sibling_fns(truth, qwen3.config.n_vocab)[kind]
+    src = TreeSource(draft, sib)
+    got, dec, off = tree_decode(qwen3, prompt, src, sampler, 40)
+    assert got == plain.tokens
+    assert src.observed == truth
+    assert dec.tree_steps > 0
+    if kind != "wrong-siblings":
+        assert off > 0
+    for committed, rows in src.topk_calls:
+        assert rows.shape[0] == len(committed)
+
+
+def test_tree_decoding_stops_inside_a_branch_and_at_the_limit(qwen3):
+    """A stop id the truth-holding sibling branch samples ends the run uncommitted; max_tokens mid-branch cuts it."""
+    prompt = qwen3.tokenizer.encode("hello world hello world, the quick brown fox", add_special=True)
+    free = generate(qwen3, prompt, max_tokens=40, sampler=GREEDY, ctx=128, stop_ids=()).run()
+    j = next(i for i, t in enumerate(free.tokens) if i >= 6 and t not in free.tokens[:i])
+    stop = free.tokens[j]
+    truth = prompt + free.tokens
+    draft, sib = sibling_fns(truth, qwen3.config.n_vocab)["truth-sibling"]
+    plain = generate(qwen3, prompt, max_tokens=40, sampler=GREEDY, ctx=128, stop_ids=(stop,)).run()
+    src = TreeSource(draft, sib)
+    got, dec, _ = tree_decode(qwen3, prompt, src, GREEDY, 40, stops=(stop,))
+    assert got == plain.tokens and dec.rows[0].finish == "stop"
+    assert src.observed == prompt + plain.tokens
+    for max_tokens in (1, 2, 5, 11):
+        src = TreeSource(*sibling_fns(truth, qwen3.config.n_vocab)["mixed"])
+        got, dec, _ = tree_decode(qwen3, prompt, src, GREEDY, max_tokens)
+        assert got == free.tokens[:max_tokens] and dec.rows[0].finish == "max_tokens"
+
+
+def test_tree_rows_in_a_batch_are_the_rows_alone(qwen3):
+    """Two rows, one with a tree source and one with a chain source, stepped together (trees and chains in one
+    tree program, compaction of one row only): each commits its own plain stream."""
+    prompts = [qwen3.tokenizer.encode(t, add_special=True) for t in ("0 1 2 3 0 1 2 3", "hello world hello")]
+    plains = [generate(qwen3, p, max_tokens=30, sampler=SAMPLED, ctx=128, stop_ids=()).run() for p in prompts]
+    truths = [p + r.tokens for p, r in zip(prompts, plains)]
+    V = qwen3.config.n_vocab
+    sources = [TreeSource(*sibling_fns(truths[0], V)["truth-sibling"]), ScriptedSource(perfect(truths[1]))]
+    dec = Decoder(qwen3, 2, ctx=128, options=TREES)
+    dec.acceptance = AcceptanceModel(prior_mean=0.9)
+    reqs = [Request(tuple(p), 30, SAMPLED.validate(), frozenset(), s) for p, s in zip(prompts, sources)]
+    dec.first(dec.begin(reqs))
+    while dec.active:
+        dec.step()
+    assert [dec.rows[b].generated for b in range(2)] == [r.tokens for r in plains]
+    assert dec.tree_steps > 0

@@ -337,6 +337,22 @@ class SpeculationIndex:
             return 0
         return self._outputs.add_output(self._stream[start : self._n])
 
+    def siblings(self, k: int) -> list[tuple[int, str]]:
+        """Up to k alternatives to the last draft's first token, for a tree verify: the recycling matrix's other
+        candidates after the newest committed token, best first, each with its evidence key ("sibling<rank>", the
+        rank in the matrix's row). Empty without the matrix, before any token, or after a suggest that drafted
+        nothing."""
+        if self._recycling is None or self._n == 0 or k <= 0 or self._pending is None:
+            return []
+        first = int(self._pending[1][0])
+        out = []
+        for rank, t in enumerate(self._recycling.row(int(self._stream[self._n - 1])).tolist()):
+            if t >= 0 and t != first:
+                out.append((t, f"sibling{rank}"))
+                if len(out) == k:
+                    break
+        return out
+
     def evidence(self) -> str:
         """What the last draft rests on, for the decoder's per-step economics (speculative/economics.py): its
         source and, for the automata, its match length in log-spaced buckets (e.g. "conversation:8" = a match of

@@ -17,6 +17,10 @@ Optional: `source.evidence()` (called right after a suggest that drafted) return
 draft rests on (e.g. "conversation:8"); the decoder's per-step economics learn acceptance per key. Without it every
 draft of the source shares one key.
 
+Optional: `source.siblings(k)` (called right after a suggest that drafted) returns up to k (token, evidence key)
+alternatives to the draft's first token, best first; the decoder may verify them as siblings in a tree
+(SpecOptions.tree_siblings).
+
 The prompt is committed too: after prefill the decoder calls `observe(prompt_tokens)` once (no top-K rows).
 Token ids travel as 1-D NumPy int32 arrays (int64 is accepted); nothing here imports JAX.
 """

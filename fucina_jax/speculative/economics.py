@@ -93,11 +93,14 @@ class AcceptanceModel:
 # index.protocol.match_bucket): a long verbatim match is near-certain, a short one a weak guess.
 MATCH_PRIOR = {0: 0.15, 1: 0.2, 2: 0.3, 4: 0.5, 8: 0.7, 16: 0.85, 32: 0.9}
 DEFAULT_PRIOR = 0.25  # a key that says nothing (a source without evidence(), the recycling matrix)
+SIBLING_PRIOR = 0.05  # an alternative first token (a "sibling..." key): verified only once it has earned it
 
 
 def key_prior(key: Hashable) -> float:
-    """The prior first-token acceptance of an evidence key: MATCH_PRIOR by the key's match bucket ("name:8"), else
-    DEFAULT_PRIOR."""
+    """The prior first-token acceptance of an evidence key: MATCH_PRIOR by the key's match bucket ("name:8"),
+    SIBLING_PRIOR for a tree's alternative first token ("sibling1", ...), else DEFAULT_PRIOR."""
+    if isinstance(key, str) and key.startswith("sibling"):
+        return SIBLING_PRIOR
     if isinstance(key, str):
         _, sep, bucket = key.rpartition(":")
         if sep and bucket.isdigit():

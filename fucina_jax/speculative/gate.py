@@ -94,6 +94,9 @@ class SpecOptions:
     policy: str = "economics"
     min_gain: float = 0.02  # "economics": verify only when the best width's value beats a plain step by this
     batch_costs: tuple[tuple[int, int, float], ...] = DEFAULT_BATCH_COSTS  # (rows, width, cost): see above
+    # "economics": alternatives to a draft's first token offered as siblings in a tree verify (the source's
+    # `siblings`, e.g. the recycling matrix's other candidates); 0: every verify is a chain
+    tree_siblings: int = 0
 
     @classmethod
     def up_to(cls, max_draft: int) -> SpecOptions:
@@ -145,6 +148,9 @@ class SpecOptions:
                 f"reprobe_max = {self.reprobe_max} is below reprobe_after = {self.reprobe_after}: the backoff "
                 "cap must be >= its base"
             )
+        if not 0 <= self.tree_siblings <= MAX_DRAFT - 1:
+            raise SpecOptionsError(f"tree_siblings = {self.tree_siblings} is invalid: it must be in [0, "
+                                   f"{MAX_DRAFT - 1}] (0: chains only)")
         if self.min_window_drafted < 0:
             raise SpecOptionsError(f"min_window_drafted = {self.min_window_drafted} is invalid: it must be >= 0")
         for name in ("min_speedup", "probe_margin", "min_gain"):

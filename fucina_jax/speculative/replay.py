@@ -176,6 +176,7 @@ class OracleSteps:
         self.cost = cost
         self.now = 0  # virtual ns
         self.steps = 0
+        self.compactions = 0
 
     def clock(self) -> int:
         return self.now
@@ -185,8 +186,10 @@ class OracleSteps:
         ok = positions < len(full)
         return np.where(ok, full[np.minimum(positions, len(full) - 1)], 0).astype(np.int32)
 
-    def _sampled(self, rows, start, width: int):
-        pos = np.asarray(start)[:, None] + 1 + np.arange(width)[None]
+    def _sampled(self, rows, start, width: int, parents=None):
+        # a tree's row is sampled at its depth: a row whose path is the committed stream gets the recorded id there;
+        # any other row is never consulted (accept_tree follows only matching children)
+        pos = np.asarray(start)[:, None] + 1 + (np.arange(width)[None] if parents is None else _depths(parents))
         out = np.zeros((len(rows), engine.STEP_WIDTHS[-1]), np.int32)
         for i, b in enumerate(rows):
             out[i, :width] = self._at(b, pos[i])
@@ -210,19 +213,33 @@ class OracleSteps:
 
     def decode_sample_step(self, params, toks, drafts, start, cache, history, pushed, n_pushed, sparams, cfg, cap,
                            wants_topk=False, with_logits=False):
-        return self._step(list(range(toks.shape[0])), toks, start, cache, history, wants_topk)
+        return self._step(list(range(toks.shape[0])), toks, start, cache, history, wants_topk, drafts)
 
     def decode_sample_rows_step(self, params, toks, drafts, rows, start, cache, history, pushed, n_pushed, sparams,
                                 cfg, cap, wants_topk=False, with_logits=False):
-        return self._step([int(b) for b in rows], toks, start, cache, history, wants_topk)
+        return self._step([int(b) for b in rows], toks, start, cache, history, wants_topk, drafts)
 
-    def _step(self, rows, toks, start, cache, history, wants_topk):
+    def compact_step(self, cache, start, path):
+        self.compactions += 1
+        return cache
+
+    def _step(self, rows, toks, start, cache, history, wants_topk, drafts):
         width = toks.shape[1]
+        parents = drafts.parents if isinstance(drafts, engine.TreeDraft) else None
         live = [b if b < len(self.full) else 0 for b in rows]
-        sampled, pos = self._sampled(live, start, width)
+        sampled, pos = self._sampled(live, start, width, parents)
         self.now += int(round(self.cost(width, len(rows)) * PLAIN_NS))
         self.steps += 1
         return sampled, history, None, self._topk(live, pos) if wants_topk else None, cache
+
+
+def _depths(parents: np.ndarray) -> np.ndarray:
+    """Each tree row's depth, [n, k], from parents [n, k] (engine.tree_layout's, on the host)."""
+    parents = np.asarray(parents)
+    depth = np.zeros(parents.shape, np.int64)
+    for t in range(1, parents.shape[1]):
+        depth[:, t] = depth[np.arange(len(parents)), np.clip(parents[:, t], 0, t - 1)] + 1
+    return depth
 
 
 @dataclasses.dataclass(frozen=True)

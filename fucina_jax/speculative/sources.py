@@ -161,6 +161,9 @@ class TurnBufferedSource:
     def evidence(self):
         return self.index.evidence() if callable(getattr(self.index, "evidence", None)) else "draft"
 
+    def siblings(self, k: int):
+        return self.index.siblings(k) if callable(getattr(self.index, "siblings", None)) else []
+
     def observe(self, committed: np.ndarray) -> None:
         self._flush()
         self._held = np.array(committed, np.int32)
