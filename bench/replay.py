@@ -14,11 +14,11 @@ private SpeculationIndex with the task's reference, as bench/run.py's default. P
 speed-up (plain time / speculative time at that cost curve), tokens per step, and per class and group the
 geometric means.
 
---live N also decodes each task live, plain and speculative (the default policy) interleaved N times, and prints
-the measured speed-up (median of the per-repetition ratios) next to the prediction: the replay's check.
+--live N also decodes each task live, plain and speculative (--live-policy, default economics) interleaved N times,
+and prints the measured speed-up (median of the per-repetition ratios) next to the prediction: the replay's check.
 
 Policies: economics (the default SpecOptions), gate (the design record's gate), fixed3 (the gate never off, drafts
-of 1-3 tokens, no adaptive budget: issue 27's fixed setting).
+of 1-3 tokens, no adaptive budget: issue 27's fixed setting), treeK (economics with K siblings: tree verifies).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def policies():
         "economics": SpecOptions(),
         "gate": SpecOptions(policy="gate"),
         "fixed3": SpecOptions(policy="gate", max_draft=3, min_draft=1, min_speedup=0.0, adapt_budget=False),
+        **{f"tree{k}": SpecOptions(tree_siblings=k) for k in (1, 2, 3, 5)},
     }
 
 
@@ -75,8 +76,9 @@ def recording(model, name, task, gen, ctx, cache_dir):
     return rec
 
 
-def live_ratio(model, task, gen, ctx, reps):
-    """Measured decode speed-up of the default policy over plain, interleaved, median of per-repetition ratios."""
+def live_ratio(model, task, gen, ctx, reps, options=None):
+    """Measured decode speed-up of a policy (default: the default SpecOptions) over plain, interleaved, median of
+    per-repetition ratios."""
     from fucina_jax.generate import generate, generate_speculative
     from fucina_jax.speculative.sources import default_source
 
@@ -85,7 +87,7 @@ def live_ratio(model, task, gen, ctx, reps):
 
     def spec():
         src = default_source(model, None, refs, persist=False)
-        return generate_speculative(model, task.prompt_ids, source=src, persist=False, **kw).run()
+        return generate_speculative(model, task.prompt_ids, source=src, persist=False, options=options, **kw).run()
 
     plain = lambda: generate(model, task.prompt_ids, **kw).run()
     want = plain().tokens  # warm-up (compiles)
@@ -111,6 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="economics,gate,fixed3")
     ap.add_argument("--cache", default=DEFAULT_CACHE, help="where recordings are kept ('' = a temporary directory)")
     ap.add_argument("--live", type=int, default=0, help="also measure each task live, N interleaved repetitions")
+    ap.add_argument("--live-policy", default="economics", help="the policy --live measures (one of --policies')")
     ap.add_argument("--temperature", type=float, default=None,
                     help="sample every task at this temperature (with bench/run.py's top-k/top-p/min-p) instead of "
                          "each task's own setting")
@@ -166,7 +169,9 @@ def main(argv=None) -> int:
                 cells.append(f"{rp.speedup:8.2f}x {rp.tok_per_step:4.2f}")
             line = f"{name:8s} {task.id[:26]:26s} {len(rec.generated):4d} " + " ".join(cells)
             if args.live:
-                r = live_ratio(model, task, args.gen, args.ctx, args.live)
+                live_opts = dataclasses.replace(pols[args.live_policy], cost_table=priced.cost_table,
+                                                batch_costs=priced.batch_costs)
+                r = live_ratio(model, task, args.gen, args.ctx, args.live, live_opts)
                 cls.setdefault("live", []).append(r)
                 line += f" {r:5.2f}x"
             print(line, flush=True)

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{MAX_SPEC_REFS}), tokenized with the model's tokenizer")
     sp.add_argument("--max-draft", type=int, default=None,
                     help="longest draft per verify, 1..15 (implies --spec; default 15)")
+    sp.add_argument("--tree-siblings", type=int, default=None, metavar="N",
+                    help="also verify up to N alternatives to a draft's first token, as a tree (implies --spec; "
+                         "0..14, default 0: chains only)")
     sp.add_argument("--cost-table", default=None, metavar="FILE",
                     help="verify-cost table JSON written by --spec-bench, for the cost gate (implies --spec; "
                          "default: the table shipped for the embedded model)")
@@ -185,7 +188,8 @@ def _sampler(args):
 
 def _spec_args(args):
     """(SpecOptions or None when speculation is off, reference texts); checked before the model loads."""
-    if not (args.spec or args.spec_ref or args.max_draft is not None or args.cost_table is not None):
+    if not (args.spec or args.spec_ref or args.max_draft is not None or args.cost_table is not None or
+            args.tree_siblings is not None):
         return None, []
     from fucina_jax.speculative import MAX_DRAFT, SpecOptions
 
@@ -193,16 +197,20 @@ def _spec_args(args):
         raise CLIError(f"--spec-ref given {len(args.spec_ref)} times: at most {MAX_SPEC_REFS} reference documents")
     if args.max_draft is not None and not 1 <= args.max_draft <= MAX_DRAFT:
         raise CLIError(f"--max-draft must be in [1, {MAX_DRAFT}], got {args.max_draft}")
+    if args.tree_siblings is not None and not 0 <= args.tree_siblings <= MAX_DRAFT - 1:
+        raise CLIError(f"--tree-siblings must be in [0, {MAX_DRAFT - 1}], got {args.tree_siblings}")
     refs = []
     for path in args.spec_ref:
         text = _read_text(path)
         if not text:
             raise CLIError(f"--spec-ref {path} is empty")
         refs.append(text)
-    options = SpecOptions() if args.max_draft is None else SpecOptions.up_to(args.max_draft)
-    if args.cost_table is not None:
-        import dataclasses
+    import dataclasses
 
+    options = SpecOptions() if args.max_draft is None else SpecOptions.up_to(args.max_draft)
+    if args.tree_siblings:
+        options = dataclasses.replace(options, tree_siblings=args.tree_siblings)
+    if args.cost_table is not None:
         from fucina_jax.speculative.bench import load_batch_costs, load_cost_table
 
         options = dataclasses.replace(options, cost_table=load_cost_table(args.cost_table),

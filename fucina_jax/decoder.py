@@ -888,6 +888,8 @@ class Decoder:
                    max_draft=self.options.max_draft, policy=self.options.policy, gate=self.gate.decisions())
         if self.options.policy == "economics":
             out["widths"] = {str(w): n for w, n in sorted(self.widths.items())}
+            if self.options.tree_siblings:
+                out["tree_steps"] = self.tree_steps
             out["evidence"] = self.acceptance.snapshot()
         if self.B > 1:
             out["batch"] = self.B

@@ -87,6 +87,9 @@ class CostTableResult:
     # the batch surface, (rows, width, cost): width 1 = the B-row plain step in one-row plain steps, else the B-row
     # step of that width in B-row plain steps (median over rounds of best / best)
     batch: tuple[tuple[int, int, float], ...] = ()
+    # tree verifies (width, cost): the same step over a tree of that width (siblings under the root and chains
+    # below them, the shape the decoder verifies), in one-row plain steps; () when not measured
+    tree: tuple[tuple[int, float], ...] = ()
 
     def cost_table(self) -> tuple[CostPoint, ...]:
         return tuple(CostPoint(d, c) for _, d, c, _, _ in self.rows)
@@ -101,6 +104,7 @@ class CostTableResult:
                 for w, d, c, m, v in self.rows
             ],
             "batch": [{"rows": r, "width": w, "cost": round(c, 4)} for r, w, c in self.batch],
+            "tree": [{"width": w, "cost": round(c, 4)} for w, c in self.tree],
         }
 
 
@@ -168,6 +172,7 @@ def measure_cost_table(
         for w in widths:
             toks = rng.integers(0, n_vocab, (B, w)).astype(np.int32)
             inputs[w] = (toks, drafts_of(toks))
+            inputs[-w] = (toks, engine.TreeDraft(np.broadcast_to(tree_parents(w), (B, w)).copy()))  # -w: a tree
         state = [cache]
 
         def timed(w):
@@ -200,19 +205,24 @@ def measure_cost_table(
             step(w)
         if bar is not None:
             bar.update(1)
+    for w in widths:
+        verify(-w)
     ratios: dict[int, list[float]] = {w: [] for w in widths}
+    tree_ratios: dict[int, list[float]] = {w: [] for w in widths}
     verify_s: dict[int, list[float]] = {w: [] for w in widths}
     batch_ratios: dict[tuple[int, int], list[float]] = {(B, w): [] for B in batches for w in (1, *widths)}
     plains: list[float] = []
     for _ in range(rounds):
         for w in widths:
-            tp, tv = [], []
+            tp, tv, tt = [], [], []
             for _ in range(reps):
                 tp.append(plain())
                 tv.append(verify(w))
+                tt.append(verify(-w))
             plains.append(min(tp))
             verify_s[w].append(min(tv))
             ratios[w].append(min(tv) / min(tp))
+            tree_ratios[w].append(min(tt) / min(tp))
             if bar is not None:
                 bar.update(1)
         for B, step in batches.items():  # each batch width against the batch's plain step, and that one against 1
@@ -239,7 +249,16 @@ def measure_cost_table(
         rows=tuple(rows), ctx=ctx, cached_tokens=len(prompt), sampler=_sampler_name(cfg), reps=reps, rounds=rounds,
         command=command, seconds=time.perf_counter() - t_start,
         batch=tuple((B, w, max(statistics.median(r), 1.0)) for (B, w), r in batch_ratios.items()),
+        tree=tuple((w, max(statistics.median(tree_ratios[w]), 1.0)) for w in widths),
     )
+
+
+def tree_parents(width: int) -> np.ndarray:
+    """The tree the probe times at a width: up to 3 siblings under the root, then a chain below the first one
+    (int32 [width], engine.TreeDraft's parents)."""
+    sib = min(3, width - 1)
+    parents = [-1] + [0] * sib + [1 if t == sib + 1 else t - 1 for t in range(sib + 1, width)]
+    return np.asarray(parents, np.int32)
 
 
 def _sampler_name(cfg: SamplerConfig) -> str:
@@ -261,6 +280,9 @@ def format_cost_table(result: CostTableResult) -> str:
         lines.append(
             f"{w:5d}  {d:13d}  {c:16.2f}{raw}  {v:9.1f}  {100 * (c - 1) / d:27.0f}%  {100 * min(c / d, 9.99):15.0f}%"
         )
+    if result.tree:
+        lines.append("tree verifies (3 siblings + a chain), plain steps: " +
+                     "  ".join(f"C_tree({w}) {c:.2f}" for w, c in result.tree))
     if result.batch:
         widths = sorted({w for _, w, _ in result.batch if w > 1})
         lines.append("batch rows B  plain B-row step (1-row steps)  " +
@@ -315,6 +337,8 @@ def plot_cost_table(result: CostTableResult, path: str | os.PathLike) -> str:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     a1.plot(k, c, "o-", label="C(k) (gate table)")
     a1.plot(k, m, "x:", color="grey", label="measured ratio")
+    if result.tree:
+        a1.plot([w - 1 for w, _ in result.tree], [c for _, c in result.tree], "^--", label="tree verify")
     a1.axhline(1.0, color="black", lw=0.7)
     a1.set_xscale("log", base=2)
     a1.set_xticks(k, [str(x) for x in k])
