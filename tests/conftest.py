@@ -136,3 +136,26 @@ def _drop_compiled_programs():
     import fucina_jax
 
     fucina_jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """quantized(kind, qtype) -> (model on the kernels, the same file on the f32 reference path, its path): a tiny
+    fixture with weights of that type, written and loaded once per test module."""
+    import fucina_jax
+    from fucina_jax.testing import write_fixture, write_gemma4_fixture
+
+    cache = {}
+    root = tmp_path_factory.mktemp("qfixtures")
+
+    def get(kind: str, qtype: str):
+        if (kind, qtype) not in cache:
+            path = str(root / f"{kind}-{qtype}.gguf")
+            if kind.startswith("gemma4"):
+                write_gemma4_fixture(path, kind.partition("-")[2], qtype=qtype)
+            else:
+                write_fixture(path, kind, qtype=qtype)
+            cache[kind, qtype] = (fucina_jax.load(path), fucina_jax.load(path, f32=True), path)
+        return cache[kind, qtype]
+
+    return get

@@ -12,30 +12,11 @@ import fucina_jax
 from fucina_jax import engine, kernels
 from fucina_jax.errors import MeshError
 from fucina_jax.models import truncate
-from fucina_jax.testing import write_fixture, write_gemma4_fixture
+from fucina_jax.testing import write_fixture
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 
 IDS = list(range(5, 70))
-
-
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
-    """quantized(kind, qtype) -> (fast model, f32 model, path) of a fixture with quantized matmul weights."""
-    cache = {}
-    root = tmp_path_factory.mktemp("qfixtures")
-
-    def get(kind: str, qtype: str):
-        if (kind, qtype) not in cache:
-            path = str(root / f"{kind}-{qtype}.gguf")
-            if kind.startswith("gemma4"):
-                write_gemma4_fixture(path, kind.partition("-")[2], qtype=qtype)
-            else:
-                write_fixture(path, kind, qtype=qtype)
-            cache[kind, qtype] = (fucina_jax.load(path), fucina_jax.load(path, f32=True), path)
-        return cache[kind, qtype]
-
-    return get
 
 
 def is_packed(model) -> bool:

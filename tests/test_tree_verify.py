@@ -104,30 +104,10 @@ def test_tree_masks_are_checked():
 
 # ---- the model level ----------------------------------------------------------------------------------------------
 
-import fucina_jax  # noqa: E402
 from fucina_jax import engine  # noqa: E402
 from fucina_jax.models import truncate  # noqa: E402
-from fucina_jax.testing import write_fixture, write_gemma4_fixture  # noqa: E402
 
 PROMPT = list(range(5, 27))
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """models(kind, qtype) -> (model on the kernels, the same file on the f32 reference path)."""
-    cache, root = {}, tmp_path_factory.mktemp("tree_fixtures")
-
-    def get(kind: str, qtype: str):
-        if (kind, qtype) not in cache:
-            path = str(root / f"{kind}-{qtype}.gguf")
-            if kind.startswith("gemma4"):
-                write_gemma4_fixture(path, kind.partition("-")[2], qtype=qtype)
-            else:
-                write_fixture(path, kind, qtype=qtype)
-            cache[kind, qtype] = (fucina_jax.load(path), fucina_jax.load(path, f32=True))
-        return cache[kind, qtype]
-
-    return get
 
 
 def chain_last_rows(model, base_cache_fn, paths_tokens):
@@ -162,10 +142,10 @@ def prompt_cache(model, capacity=256):
 @needs_kernels
 @pytest.mark.parametrize("kind, qtype", [("qwen3", "Q4_1"), ("gemma3", "F32"), ("gemma4-e2b", "Q8_0"),
                                          ("qwen3moe", "Q8_0")])
-def test_tree_rows_are_plain_rows_bitwise(models, kind, qtype):
+def test_tree_rows_are_plain_rows_bitwise(quantized, kind, qtype):
     """Every row of random trees at every verify width: bitwise the logits plain decoding computes after that row's
     path (kernels); the f32 reference path within rounding, with the same argmax."""
-    fast, ref = models(kind, qtype)
+    fast, ref, _ = quantized(kind, qtype)
     rng = np.random.default_rng(hash(kind) % 1000)
     for model, exact in ((fast, True), (ref, False)):
         for k in engine.VERIFY_BUCKETS:
@@ -185,10 +165,10 @@ def test_tree_rows_are_plain_rows_bitwise(models, kind, qtype):
 
 @needs_kernels
 @pytest.mark.parametrize("kind, qtype", [("qwen3", "Q4_1"), ("gemma4-e2b", "Q8_0")])
-def test_compaction_equals_a_fresh_prefill_of_the_path(models, kind, qtype):
+def test_compaction_equals_a_fresh_prefill_of_the_path(quantized, kind, qtype):
     """After a tree verify, compact_step on an accepted path (a deep leaf's, off the first chain) gives the cache a
     fresh prefill of prompt + path has, slot for slot, and the next decode step's logits are bitwise the same."""
-    fast, _ = models(kind, qtype)
+    fast, _, _ = quantized(kind, qtype)
     rng = np.random.default_rng(5)
     for k in (4, 8, 16):
         parents, tokens = tree_case(fast, rng, k)
