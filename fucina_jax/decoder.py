@@ -721,7 +721,7 @@ class Decoder:
         when the likeliest nodes are its first ones, so a chain stays a chain."""
         keys = {}
         ranked = []  # per active row: its nodes' P, best first (what choose_width weighs)
-        nodes = {}  # b -> (tokens, parents (-1: the root), P) of its candidate nodes, in the chosen order
+        nodes = {}  # b -> (its candidates best first, their tokens, their parents (-1: the root)) for a tree row
         for b in active:
             if b not in drafts:
                 ranked.append(np.zeros(0))
@@ -775,10 +775,12 @@ class Decoder:
         V = self.model.config.n_vocab
         first = int(self._buf[0])
         out, seen = [], {first}
+        who = "the draft source" if self.B == 1 else f"the draft source of row {b}"
         for item in sibs:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise DraftSourceError(f"{who} offered sibling {item!r}: siblings(k) must give (token, key) pairs")
             tok, key = item
             if not is_int(tok) or not 0 <= tok < V:
-                who = "the draft source" if self.B == 1 else f"the draft source of row {b}"
                 raise DraftSourceError(f"{who} offered sibling {tok!r}, outside the vocabulary [0, {V})")
             if int(tok) not in seen:  # a duplicate would be verified twice for nothing
                 seen.add(int(tok))
@@ -792,7 +794,7 @@ class Decoder:
         starts = np.zeros(self.B, np.int32)
         needed = False
         for i, b in enumerate(order):
-            o = out[b] if b < len(out) else None
+            o = out[b]
             if o is None or not o.path:
                 continue
             nodes = o.path[1:]

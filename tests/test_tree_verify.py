@@ -386,3 +386,23 @@ def test_tree_rows_in_a_batch_are_the_rows_alone(qwen3):
         dec.step()
     assert [dec.rows[b].generated for b in range(2)] == [r.tokens for r in plains]
     assert dec.tree_steps > 0
+
+
+def test_bad_siblings_are_reported(qwen3):
+    """A source whose siblings are out of the vocabulary or not (token, key) pairs fails the step with a
+    DraftSourceError naming it, before anything is committed."""
+    from fucina_jax.errors import DraftSourceError
+
+    prompt = qwen3.tokenizer.encode("0 1 2 3 0 1 2 3", add_special=True)
+    V = qwen3.config.n_vocab
+    for bad, match in (([V + 5], "outside the vocabulary"), ([-1], "outside the vocabulary")):
+        src = TreeSource(lambda s, i: [1, 2, 3], lambda s, i, bad=bad: bad)
+        with pytest.raises(DraftSourceError, match=match):
+            tree_decode(qwen3, prompt, src, GREEDY, 10)
+
+    class Malformed(TreeSource):
+        def siblings(self, k):
+            return [5]
+
+    with pytest.raises(DraftSourceError, match="pairs"):
+        tree_decode(qwen3, prompt, Malformed(lambda s, i: [1, 2, 3], None), GREEDY, 10)
