@@ -14,8 +14,9 @@ private SpeculationIndex with the task's reference, as bench/run.py's default. P
 speed-up (plain time / speculative time at that cost curve), tokens per step, and per class and group the
 geometric means.
 
---live N also decodes each task live, plain and speculative (--live-policy, default economics) interleaved N times,
-and prints the measured speed-up (median of the per-repetition ratios) next to the prediction: the replay's check.
+--live N also decodes each task live, plain and speculative (--live-policy, default economics; several
+comma-separated policies share one interleaved rotation) N times, and prints the measured speed-up (median of the
+per-repetition ratios) next to the prediction: the replay's check.
 
 Policies: economics (the default SpecOptions), gate (the design record's gate), fixed3 (the gate never off, drafts
 of 1-3 tokens, no adaptive budget: issue 27's fixed setting), treeK (economics with K siblings: tree verifies).
@@ -76,32 +77,38 @@ def recording(model, name, task, gen, ctx, cache_dir):
     return rec
 
 
-def live_ratio(model, task, gen, ctx, reps, options=None):
-    """Measured decode speed-up of a policy (default: the default SpecOptions) over plain, interleaved, median of
-    per-repetition ratios."""
+def live_ratios(model, task, gen, ctx, reps, options):
+    """Measured decode speed-up over plain of each policy in `options` (name -> SpecOptions), all interleaved with
+    plain in one rotation (the order shifts by one each repetition), the median of per-repetition ratios."""
     from fucina_jax.generate import generate, generate_speculative
     from fucina_jax.speculative.sources import default_source
 
     kw = dict(max_tokens=gen, sampler=_sampler(task, 1), ctx=ctx)
     refs = [task.reference_ids] if task.reference_ids else []
 
-    def spec():
-        src = default_source(model, None, refs, persist=False)
-        return generate_speculative(model, task.prompt_ids, source=src, persist=False, options=options, **kw).run()
+    def spec(opts):
+        def run():
+            src = default_source(model, None, refs, persist=False)
+            return generate_speculative(model, task.prompt_ids, source=src, persist=False, options=opts, **kw).run()
+        return run
 
-    plain = lambda: generate(model, task.prompt_ids, **kw).run()
-    want = plain().tokens  # warm-up (compiles)
-    assert spec().tokens == want
+    runs = {"plain": lambda: generate(model, task.prompt_ids, **kw).run()}
+    runs.update({name: spec(opts) for name, opts in options.items()})
+    want = runs["plain"]().tokens  # warm-up (compiles)
+    for name in options:
+        assert runs[name]().tokens == want, f"{task.id}: the {name} stream differs from the plain one"
     from fucina_jax import aot
 
     aot.PREPARER.wait_idle()  # every verify width's program in before the timed runs
-    ratios = []
+    names = list(runs)
+    ratios = {name: [] for name in options}
     for i in range(reps):
-        order = (plain, spec) if i % 2 == 0 else (spec, plain)
-        got = {f: f() for f in order}
-        assert got[spec].tokens == want, f"{task.id}: the speculative stream differs from the plain one"
-        ratios.append(got[spec].decode_tps / got[plain].decode_tps)
-    return statistics.median(ratios)
+        order = names[i % len(names):] + names[:i % len(names)]
+        got = {name: runs[name]() for name in order}
+        for name in options:
+            assert got[name].tokens == want, f"{task.id}: the {name} stream differs from the plain one"
+            ratios[name].append(got[name].decode_tps / got["plain"].decode_tps)
+    return {name: statistics.median(r) for name, r in ratios.items()}
 
 
 def main(argv=None) -> int:
@@ -113,7 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="economics,gate,fixed3")
     ap.add_argument("--cache", default=DEFAULT_CACHE, help="where recordings are kept ('' = a temporary directory)")
     ap.add_argument("--live", type=int, default=0, help="also measure each task live, N interleaved repetitions")
-    ap.add_argument("--live-policy", default="economics", help="the policy --live measures (one of --policies')")
+    ap.add_argument("--live-policy", default="economics",
+                    help="the policies --live measures, comma-separated, interleaved with plain (any of policies())")
     ap.add_argument("--temperature", type=float, default=None,
                     help="sample every task at this temperature (with bench/run.py's top-k/top-p/min-p) instead of "
                          "each task's own setting")
@@ -146,8 +154,11 @@ def main(argv=None) -> int:
             ap.error(f"--cost-table {item!r}: give MODEL=FILE, e.g. smollm2=spec_bench.json")
         tables[name] = SpecOptions(cost_table=load_cost_table(path), batch_costs=load_batch_costs(path))
     header = f"{'model':8s} {'task':26s} {'tok':>4s} " + " ".join(f"{p:>9s} {'t/st':>4s}" for p in chosen)
-    if args.live:
-        header += f" {'live':>6s}"
+    live_pols = [p.strip() for p in args.live_policy.split(",")] if args.live else []
+    bad = [p for p in live_pols if p not in pols]
+    if bad:
+        ap.error(f"--live-policy: unknown {bad}; known: {', '.join(pols)}")
+    header += "".join(f" {'live:' + p:>10s}" for p in live_pols)
     print(header, flush=True)
     per_class: dict[tuple[str, str], dict[str, list[float]]] = {}
     for name in args.models.split(","):
@@ -169,13 +180,13 @@ def main(argv=None) -> int:
                 cells.append(f"{rp.speedup:8.2f}x {rp.tok_per_step:4.2f}")
             line = f"{name:8s} {task.id[:26]:26s} {len(rec.generated):4d} " + " ".join(cells)
             if args.live:
-                live_opts = dataclasses.replace(pols[args.live_policy], cost_table=priced.cost_table,
-                                                batch_costs=priced.batch_costs)
-                r = live_ratio(model, task, args.gen, args.ctx, args.live, live_opts)
-                cls.setdefault("live", []).append(r)
-                line += f" {r:5.2f}x"
+                live_opts = {p: dataclasses.replace(pols[p], cost_table=priced.cost_table,
+                                                    batch_costs=priced.batch_costs) for p in live_pols}
+                for p, r in live_ratios(model, task, args.gen, args.ctx, args.live, live_opts).items():
+                    cls.setdefault(f"live:{p}", []).append(r)
+                    line += f" {r:9.2f}x"
             print(line, flush=True)
-    cols = chosen + (["live"] if args.live else [])
+    cols = chosen + [f"live:{p}" for p in live_pols]
     print("\nper class (geometric mean over its tasks):")
     for (name, c), d in per_class.items():
         print(f"  {name:8s} {c:24s} " + " ".join(f"{k} {_geomean(v):.2f}x" for k, v in d.items()))
