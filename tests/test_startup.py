@@ -78,3 +78,38 @@ def test_first_token_compiles_only_the_declared_steps(q8_fixture, tmp_path, f32,
     warm, again = start()
     assert warm == [], f"traced on a warm start: {warm}"
     assert again == first
+
+
+DISPATCH = r"""
+import sys
+import jax
+if sys.argv[2] == "1":
+    jax.numpy.zeros(1).block_until_ready()  # the user's own JAX work made the CPU client first
+import fucina_jax
+
+m = fucina_jax.load(sys.argv[1])
+print("ASYNC", jax.config.values["jax_cpu_enable_async_dispatch"])
+for spec in (False, True):
+    print("TOKENS", list(m.generate("one two three one two three one", max_tokens=16, temperature=0, spec=spec)))
+"""
+
+
+def test_load_prefers_inline_dispatch_and_it_changes_no_token(q8_fixture):
+    """load() turns JAX's CPU async dispatch off (fucina_jax.model.prefer_inline_dispatch) unless the user set
+    FUCINA_JAX_ASYNC_DISPATCH or the CPU client already exists; the stream is the same either way."""
+    def run(env_extra, pre_init="0"):
+        env = {k: v for k, v in os.environ.items() if k != "FUCINA_JAX_ASYNC_DISPATCH"} | env_extra
+        out = subprocess.run([sys.executable, "-c", DISPATCH, str(q8_fixture), pre_init], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = out.stdout.splitlines()
+        return [l for l in lines if l.startswith("ASYNC")][0], [l for l in lines if l.startswith("TOKENS")]
+
+    inline, toks = run({})
+    assert inline == "ASYNC False"
+    asked, toks_async = run({"FUCINA_JAX_ASYNC_DISPATCH": "1"})
+    assert asked == "ASYNC True"
+    early, toks_early = run({}, pre_init="1")
+    assert early == "ASYNC True"
+    assert len(toks) == 2 and toks[0] == toks[1]  # speculative == plain
+    assert toks == toks_async == toks_early

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""JAX's CPU async dispatch against inline dispatch (what load() chooses: fucina_jax.model.prefer_inline_dispatch).
+
+    python bench/dispatch.py                              # SmolLM2 chat, the spec_bench group, 2 rounds
+    python bench/dispatch.py --model gemma3 --classes qa,rag --rounds 3 --reps 3
+
+The setting is read when JAX's CPU client is made, so each measurement is a child process in one mode; rounds
+alternate the order (async, inline, then inline, async, ...) to cancel drift. A child decodes every task plainly and
+speculatively (the default SpecOptions, a cold source with the task's reference, as bench/run.py), interleaved --reps
+times, and reports each task's median ms per token; printed: per mode the geometric means over tasks and rounds, and
+inline / async speed ratios, plain and speculative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = "--child"
+
+
+def child(model_name: str, classes: list[str], gen: int, ctx: int, reps: int) -> None:
+    from run import GROUPS, _sampler, load_tasks, model_path
+
+    import fucina_jax
+    from fucina_jax import aot
+    from fucina_jax.generate import generate, generate_speculative
+    from fucina_jax.speculative.sources import default_source
+
+    import jax
+
+    names = [c for group in classes for c in GROUPS.get(group, (group,))]
+    model = fucina_jax.load(model_path(model_name))
+    tasks = load_tasks(model, "continuation" if model_name == "gemma3" else "chat", classes=names)
+    out = {"async": jax.config.values["jax_cpu_enable_async_dispatch"], "tasks": {}}
+    for task in tasks:
+        kw = dict(max_tokens=gen, sampler=_sampler(task, 1), ctx=ctx)
+        refs = [task.reference_ids] if task.reference_ids else []
+        runs = {"plain": lambda: generate(model, task.prompt_ids, **kw).run(),
+                "spec": lambda: generate_speculative(model, task.prompt_ids, persist=False, **kw,
+                                                     source=default_source(model, None, refs, persist=False)).run()}
+        want = runs["plain"]().tokens  # warm-up (compiles)
+        assert runs["spec"]().tokens == want, f"{task.id}: the speculative stream differs from the plain one"
+        aot.PREPARER.wait_idle()
+        ms = {"plain": [], "spec": []}
+        for i in range(reps):
+            for name in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+                r = runs[name]()
+                assert r.tokens == want, f"{task.id}: the {name} stream differs"
+                ms[name].append(r.decode_seconds * 1e3 / len(r.tokens))
+        out["tasks"][task.id] = {k: statistics.median(v) for k, v in ms.items()}
+    print(json.dumps(out))
+
+
+def _geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
+    ap.add_argument("--classes", default="spec_bench", help="class names or groups, comma-separated")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved plain/speculative repetitions per task")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of one child per mode, the order alternating")
+    ap.add_argument(CHILD, action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if min(args.gen, args.ctx, args.reps, args.rounds) < 1:
+        ap.error("--gen, --ctx, --reps and --rounds must be positive")
+    classes = [c.strip() for c in args.classes.split(",") if c.strip()]
+    if args.child:
+        child(args.model, classes, args.gen, args.ctx, args.reps)
+        return 0
+    per = {"async": {"plain": [], "spec": []}, "inline": {"plain": [], "spec": []}}
+    for rnd in range(args.rounds):
+        for mode in (("async", "inline") if rnd % 2 == 0 else ("inline", "async")):
+            env = dict(os.environ, FUCINA_JAX_ASYNC_DISPATCH="1" if mode == "async" else "0")
+            cmd = [sys.executable, os.path.abspath(__file__), CHILD, "--model", args.model, "--classes",
+                   args.classes, "--gen", str(args.gen), "--ctx", str(args.ctx), "--reps", str(args.reps)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"the {mode} child failed:\n{done.stderr[-4000:]}")
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            if got["async"] != (mode == "async"):
+                sys.exit(f"the {mode} child ran with async dispatch {got['async']}")
+            for kind in ("plain", "spec"):
+                g = _geomean([t[kind] for t in got["tasks"].values()])
+                per[mode][kind].append(g)
+            print(f"round {rnd + 1} {mode:6s} plain {per[mode]['plain'][-1]:.3f} ms/tok  "
+                  f"spec {per[mode]['spec'][-1]:.3f} ms/tok  ({len(got['tasks'])} tasks)", flush=True)
+    a, i = ({k: _geomean(v) for k, v in per[m].items()} for m in ("async", "inline"))
+    print(f"\n{args.model}: inline / async speed: plain {a['plain'] / i['plain']:.3f}x, "
+          f"speculative {a['spec'] / i['spec']:.3f}x; speculative / plain: async {a['plain'] / a['spec']:.3f}x, "
+          f"inline {i['plain'] / i['spec']:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
