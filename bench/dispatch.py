@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""JAX's CPU async dispatch against inline dispatch (what load() chooses: fucina_jax.model.prefer_inline_dispatch).
+"""Two process-wide runtime settings side by side: how CPU programs are dispatched, and which threads run the kernels.
 
-    python bench/dispatch.py                              # SmolLM2 chat, the spec_bench group, 2 rounds
+    python bench/dispatch.py                              # async vs inline dispatch: SmolLM2 chat, spec_bench, 2 rounds
+    python bench/dispatch.py --setting pool               # XLA's intra-op pool vs the kernels' own workers
     python bench/dispatch.py --model gemma3 --classes qa,rag --rounds 3 --reps 3
 
-The setting is read when JAX's CPU client is made, so each measurement is a child process in one mode; rounds
-alternate the order (async, inline, then inline, async, ...) to cancel drift. A child decodes every task plainly and
+--setting dispatch: JAX's CPU async dispatch (FUCINA_JAX_ASYNC_DISPATCH=1) against inline dispatch (what load()
+chooses: fucina_jax.model.prefer_inline_dispatch). --setting pool: the kernels' parallel_for on XLA's intra-op pool
+(FUCINA_KERNEL_POOL=xla) against their own spinning workers (the default, fucina_jax/kernels/parallel.h).
+Both are read once per process, so each measurement is a child process in one mode; rounds alternate the order
+(A, B, then B, A, ...) to cancel drift. A child decodes every task plainly and
 speculatively (the default SpecOptions, a cold source with the task's reference, as bench/run.py), interleaved --reps
 times, and reports each task's median ms per token; printed: per mode the geometric means over tasks and rounds, and
 inline / async speed ratios, plain and speculative.
@@ -25,6 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = "--child"
 
+# setting -> ((name, environment) of A, (name, environment) of B); B is the default the engine ships
+SETTINGS = {
+    "dispatch": (("async", {"FUCINA_JAX_ASYNC_DISPATCH": "1"}), ("inline", {"FUCINA_JAX_ASYNC_DISPATCH": "0"})),
+    "pool": (("xla-pool", {"FUCINA_KERNEL_POOL": "xla"}), ("own-workers", {"FUCINA_KERNEL_POOL": "own"})),
+}
+
 
 def child(model_name: str, classes: list[str], gen: int, ctx: int, reps: int) -> None:
     from run import GROUPS, _sampler, load_tasks, model_path
@@ -39,7 +49,8 @@ def child(model_name: str, classes: list[str], gen: int, ctx: int, reps: int) ->
     names = [c for group in classes for c in GROUPS.get(group, (group,))]
     model = fucina_jax.load(model_path(model_name))
     tasks = load_tasks(model, "continuation" if model_name == "gemma3" else "chat", classes=names)
-    out = {"async": jax.config.values["jax_cpu_enable_async_dispatch"], "tasks": {}}
+    out = {"async": jax.config.values["jax_cpu_enable_async_dispatch"], "pool": os.environ.get("FUCINA_KERNEL_POOL"),
+           "tasks": {}}
     for task in tasks:
         kw = dict(max_tokens=gen, sampler=_sampler(task, 1), ctx=ctx)
         refs = [task.reference_ids] if task.reference_ids else []
@@ -65,6 +76,7 @@ def _geomean(xs):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setting", default="dispatch", choices=sorted(SETTINGS))
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
     ap.add_argument("--classes", default="spec_bench", help="class names or groups, comma-separated")
     ap.add_argument("--gen", type=int, default=128)
@@ -79,27 +91,28 @@ def main(argv=None) -> int:
     if args.child:
         child(args.model, classes, args.gen, args.ctx, args.reps)
         return 0
-    per = {"async": {"plain": [], "spec": []}, "inline": {"plain": [], "spec": []}}
+    (name_a, env_a), (name_b, env_b) = SETTINGS[args.setting]
+    per = {name_a: {"plain": [], "spec": []}, name_b: {"plain": [], "spec": []}}
     for rnd in range(args.rounds):
-        for mode in (("async", "inline") if rnd % 2 == 0 else ("inline", "async")):
-            env = dict(os.environ, FUCINA_JAX_ASYNC_DISPATCH="1" if mode == "async" else "0")
+        for mode, extra in (((name_a, env_a), (name_b, env_b)) if rnd % 2 == 0 else ((name_b, env_b), (name_a, env_a))):
+            env = dict(os.environ, **extra)
             cmd = [sys.executable, os.path.abspath(__file__), CHILD, "--model", args.model, "--classes",
                    args.classes, "--gen", str(args.gen), "--ctx", str(args.ctx), "--reps", str(args.reps)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 sys.exit(f"the {mode} child failed:\n{done.stderr[-4000:]}")
             got = json.loads(done.stdout.strip().splitlines()[-1])
-            if got["async"] != (mode == "async"):
+            if args.setting == "dispatch" and got["async"] != (mode == name_a):
                 sys.exit(f"the {mode} child ran with async dispatch {got['async']}")
             for kind in ("plain", "spec"):
                 g = _geomean([t[kind] for t in got["tasks"].values()])
                 per[mode][kind].append(g)
-            print(f"round {rnd + 1} {mode:6s} plain {per[mode]['plain'][-1]:.3f} ms/tok  "
+            print(f"round {rnd + 1} {mode:11s} plain {per[mode]['plain'][-1]:.3f} ms/tok  "
                   f"spec {per[mode]['spec'][-1]:.3f} ms/tok  ({len(got['tasks'])} tasks)", flush=True)
-    a, i = ({k: _geomean(v) for k, v in per[m].items()} for m in ("async", "inline"))
-    print(f"\n{args.model}: inline / async speed: plain {a['plain'] / i['plain']:.3f}x, "
-          f"speculative {a['spec'] / i['spec']:.3f}x; speculative / plain: async {a['plain'] / a['spec']:.3f}x, "
-          f"inline {i['plain'] / i['spec']:.3f}x")
+    a, b = ({k: _geomean(v) for k, v in per[m].items()} for m in (name_a, name_b))
+    print(f"\n{args.model}: {name_b} / {name_a} speed: plain {a['plain'] / b['plain']:.3f}x, "
+          f"speculative {a['spec'] / b['spec']:.3f}x; speculative / plain: {name_a} {a['plain'] / a['spec']:.3f}x, "
+          f"{name_b} {b['plain'] / b['spec']:.3f}x")
     return 0
 
 

@@ -5,6 +5,7 @@
   (fma emulated in float64), for every type and every instruction set the CPU has (AVX-512 VNNI, AVX2, scalar);
 - each output row is bitwise independent of the other rows in the call;
 - the dispatch falls back when told to (env var in a fresh process, set_isa in this one);
+- the kernels' own workers and XLA's pool give the same bits, also with programs running at once;
 - embedding rows gathered from the packed codes == dequantized rows;
 - the float kernel (F32, F16, BF16 weights): the file's values, kept in the file's type; kernel == a NumPy statement
   of its fixed float sequence, bit for bit, on every instruction set and for every row count.
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -661,3 +663,75 @@ def test_inconsistent_packed_buffers_are_refused(qtype):
         with pytest.raises(Exception, match="fucina_qmatmul"):
             np.asarray(kernels.qlinear(x, b))
     np.asarray(kernels.qlinear(x, w))  # the consistent weight runs
+
+
+POOL_CHILD = r"""
+import json
+import sys
+import numpy as np
+import jax
+from fucina_jax import kernels
+sys.path.insert(0, sys.argv[3])
+from test_kernels import pool_outputs
+
+np.savez(sys.argv[1], **pool_outputs(np.load(sys.argv[2])))
+print(json.dumps(kernels.threads()))
+"""
+
+
+def pool_outputs(raw: np.ndarray) -> dict:
+    """Kernel outputs big enough to split across threads: a Q8_0 product at several row counts, a many-block
+    attention and a single long-span block (split by phases)."""
+    w = qweight(raw, T.Q8_0, (512, 1024))
+    rng = np.random.default_rng(9)
+    out = {f"qlinear{m}": np.asarray(_qlinear(jnp.asarray(rng.standard_normal((m, 1024)).astype(np.float32)), w))
+           for m in (1, 3, 8)}
+    att = jax.jit(kernels.attention, static_argnums=(4, 5))
+    for name, (T_, H, K, Dh, S) in {"many": (16, 8, 2, 64, 700), "split": (1, 4, 1, 256, 2100)}.items():
+        q = rng.standard_normal((1, T_, H, Dh)).astype(np.float32)
+        k = rng.standard_normal((1, S, K, Dh)).astype(np.float32)
+        v = rng.standard_normal((1, S, K, Dh)).astype(np.float32)
+        pos = (S - T_ + np.arange(T_, dtype=np.int32))[None]
+        out[f"attention_{name}"] = np.asarray(att(q, k, v, pos, 0.1, 0))
+    return out
+
+
+def test_own_workers_give_the_xla_pool_bits(tmp_path):
+    """The kernels split their loops on their own spinning workers (parallel.h, the default); FUCINA_KERNEL_POOL=xla
+    puts them on XLA's intra-op pool. Both must give the same bits, and each must be the one that ran."""
+    raw = random_tensor(T.Q8_0, 512, 1024, seed=8)
+    np.save(tmp_path / "raw.npy", raw)
+    before = kernels.threads()
+    here = pool_outputs(raw)
+    after = kernels.threads()
+    assert after["pool"] == "own" and after["workers"] == len(os.sched_getaffinity(0)) - 1
+    if after["workers"] > 0:
+        assert after["calls_workers"] > before["calls_workers"]
+    env = {**os.environ, "FUCINA_KERNEL_POOL": "xla"}
+    done = subprocess.run([sys.executable, "-c", POOL_CHILD, str(tmp_path / "xla.npz"), str(tmp_path / "raw.npy"),
+                           os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["pool"] == "xla" and report["calls_workers"] == 0 and report["calls_pool"] > 0
+    there = np.load(tmp_path / "xla.npz")
+    assert sorted(there.files) == sorted(here)
+    for name, got in here.items():
+        np.testing.assert_array_equal(got, there[name], err_msg=name)
+
+
+def test_concurrent_callers_share_the_workers():
+    """Programs running at once (Python threads, or the devices of a sharded mesh) contend for the workers: one
+    holds them, the others split on XLA's pool. Every call must give the bits it gives alone."""
+    import concurrent.futures
+
+    w = qweight(random_tensor(T.Q4_K, 768, 1024, seed=10), T.Q4_K, (768, 1024))
+    xs = [jnp.asarray(np.random.default_rng(20 + i).standard_normal((4, 1024)).astype(np.float32)) for i in range(4)]
+    alone = [np.asarray(_qlinear(x, w)) for x in xs]
+    before = kernels.threads()
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        for _ in range(3):
+            got = list(ex.map(lambda x: np.asarray(_qlinear(x, w)), xs * 8))
+            for i, g in enumerate(got):
+                np.testing.assert_array_equal(g, alone[i % 4])
+    after = kernels.threads()
+    assert after["calls_workers"] + after["calls_pool"] - before["calls_workers"] - before["calls_pool"] >= 96

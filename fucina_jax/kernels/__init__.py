@@ -30,7 +30,7 @@ from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, 
 __all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention",
            "attention_write", "available", "concat_weights", "expert_linear", "isa", "pack_experts", "pack_weight",
            "packable", "norm_rope", "qlinear", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows",
-           "top_k"]
+           "threads", "top_k"]
 
 TARGET = "fucina_qmatmul"
 EXPERTS_TARGET = "fucina_qmatmul_experts"
@@ -80,6 +80,13 @@ def supported_isas() -> list[str]:
 def set_isa(name: str) -> None:
     """Force an instruction set (a lower one than the best is for testing the fallbacks; results are identical)."""
     _module().set_isa(name)
+
+
+def threads() -> dict:
+    """Who runs the kernels' parallel loops (parallel.h): {"pool": "own" (the kernels' spinning workers, the
+    default) or "xla" (FUCINA_KERNEL_POOL=xla: XLA's intra-op pool), "workers": their count, and how many calls ran
+    on the caller alone, with the workers, or on XLA's pool (the fallback while another call holds the workers)}."""
+    return _module().threads()
 
 
 @jax.tree_util.register_dataclass

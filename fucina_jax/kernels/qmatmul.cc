@@ -899,10 +899,21 @@ static PyObject* py_set_isa(PyObject*, PyObject* arg) {
   return nullptr;
 }
 
+static PyObject* py_threads(PyObject*, PyObject*) {
+  const bool own = fucina::Workers::enabled();
+  const fucina::ParallelCounts& c = fucina::parallel_counts();
+  return Py_BuildValue("{s:s,s:L,s:K,s:K,s:K}", "pool", own ? "own" : "xla", "workers",
+                       static_cast<long long>(own ? fucina::Workers::get()->size() : 0), "calls_alone",
+                       static_cast<unsigned long long>(c.alone.load()), "calls_workers",
+                       static_cast<unsigned long long>(c.workers.load()), "calls_pool",
+                       static_cast<unsigned long long>(c.pool.load()));
+}
+
 static PyMethodDef kMethods[] = {
     {"handlers", py_handlers, METH_NOARGS, "{name: PyCapsule of the XLA FFI handler fucina_<name>}."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use now."},
     {"supported_isas", py_supported_isas, METH_NOARGS, "Instruction sets this CPU can run, best first."},
+    {"threads", py_threads, METH_NOARGS, "Which threads run parallel_for (parallel.h) and how many calls ran where."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this instruction set (avx512, avx2, scalar)."},
     {"pack_q8_0", fucina_py_pack_q8_0, METH_VARARGS, "Q8_0 rows -> packed codes and scales (pack.py)."},
     {"narrow_codes", fucina_py_narrow_codes, METH_VARARGS, "Byte codes -> nibbles + bit planes (pack.py)."},
