@@ -424,6 +424,51 @@ def test_attention_split_block_gives_the_one_thread_bits(H, K, Dh, S):
     np.testing.assert_array_equal(half[:, 0], wide[:, 0])
 
 
+def _random_tree_masks(rng, B: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ancestor masks [B, T] of random trees over T step rows (row 0 the root, each row's parent before it), and
+    each row's depth."""
+    masks = np.zeros((B, T), np.int32)
+    depth = np.zeros((B, T), np.int32)
+    for b in range(B):
+        for t in range(1, T):
+            parent = int(rng.integers(0, t))
+            masks[b, t] = masks[b, parent] | (1 << t)
+            depth[b, t] = depth[b, parent] + 1
+        masks[b, 0] = 1
+    return masks, depth
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("H, K, Dh, S, T, window", [(9, 3, 64, 700, 1, 0), (9, 3, 64, 700, 8, 0),
+                                                    (4, 1, 256, 600, 16, 0), (8, 2, 128, 333, 4, 100),
+                                                    (4, 2, 48, 90, 5, 0), (8, 1, 80, 200, 3, 7)],
+                         ids=["smollm2-plain", "smollm2-verify", "gemma3-split", "window", "dot-tail", "vtail"])
+def test_attention_gives_the_same_bits_on_every_isa(dtype, H, K, Dh, S, T, window, each_isa):
+    """The AVX-512 code folds 16 slots' scores at once, runs the softmax 16 slots at a time and sums a chain's
+    common slots without tests; the AVX2 and generic code go slot by slot. Every instruction set gives the same
+    bits, chains and trees, spans that are not a multiple of 16, sliding windows, a block split across the pool."""
+    rng = np.random.default_rng(31)
+    B = 2
+    q = rng.standard_normal((B, T, H, Dh)).astype(np.float32)
+    k = rng.standard_normal((B, S, K, Dh)).astype(dtype)
+    v = rng.standard_normal((B, S, K, Dh)).astype(dtype)
+    pos = np.stack([np.arange(S - T - 3, S - 3), np.arange(17, 17 + T)]).astype(np.int32)
+    masks, depth = _random_tree_masks(rng, B, T)
+    tree_pos = (pos[:, :1] + depth).astype(np.int32)
+    chain = jax.jit(kernels.attention, static_argnums=(4, 5))
+    tree = jax.jit(lambda q, k, v, p, m: kernels.attention(q, k, v, p, 0.125, window, tree=m))
+    got = {}
+    for isa in each_isa:
+        kernels.set_isa(isa)
+        got[isa] = (np.asarray(chain(q, k, v, pos, 0.125, window)), np.asarray(tree(q, k, v, tree_pos, masks)))
+    want = got[each_isa[-1]]  # the generic code
+    np.testing.assert_allclose(want[0], np_attention(q, k.astype(np.float32), v.astype(np.float32), pos, 0.125,
+                                                     window), rtol=1e-5, atol=1e-5)
+    for isa, (c, t) in got.items():
+        np.testing.assert_array_equal(c, want[0], err_msg=f"{isa}: chain")
+        np.testing.assert_array_equal(t, want[1], err_msg=f"{isa}: tree")
+
+
 @pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
 def test_attention_write_is_write_kv_then_attention(cache_dtype):
     """The fused cache write + attention gives the bits of layers.write_kv into both caches followed by

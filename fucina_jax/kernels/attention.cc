@@ -34,6 +34,11 @@
 
 namespace ffi = xla::ffi;
 
+namespace fucina {
+int kernel_isa();       // qmatmul.cc: 0 AVX-512, 1 AVX2, 2 scalar (set_isa, FUCINA_KERNEL_ISA)
+int kernel_best_isa();  // qmatmul.cc: the best this CPU has
+}  // namespace fucina
+
 namespace {
 
 constexpr int kLanes = 16;
@@ -181,6 +186,7 @@ struct Block {
   uint32_t tmask[kRows] = {};
   int64_t ulo = INT64_MAX, uhi = -1;  // the union of the rows' visible ranges (empty: uhi < ulo)
   float inv[kRows];
+  int level = 0;  // the code the block runs (cpu_level at the call's start: one level for all of its phases)
 
   bool visible(int r, int64_t j) const { return j < tbase || ((tmask[r] >> (j - tbase)) & 1u); }
 
@@ -252,6 +258,9 @@ __attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t 
   const float* const scores = b.scores;
   int64_t lo[kRows], hi[kRows];
   for (int r = 0; r < kRows; ++r) lo[r] = r < n_rows ? b.lo[r] : 0, hi[r] = r < n_rows ? b.hi[r] : -1;
+  // slots every row sees (a chain's common range): summed without the tests
+  int64_t clo = ulo, chi = b.tbase == INT64_MAX ? uhi : ulo - 1;
+  for (int r = 0; r < n_rows; ++r) clo = std::max(clo, lo[r]), chi = std::min(chi, hi[r]);
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t d0 = c * kDb, d1 = c < full ? d0 + kDb : b.Dv;
     if (c < full) {
@@ -262,6 +271,14 @@ __attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t 
         const float* vj = vp + j * vstride + d0;
         V vv[kC];
         for (int cc = 0; cc < kC; ++cc) vv[cc] = V::load(vj + cc * kLanes);
+        if (j >= clo && j <= chi) {
+          for (int r = 0; r < kRows; ++r) {
+            if (r >= n_rows) continue;
+            const V e = V::splat(scores[r * sstride + j - ulo]);
+            for (int cc = 0; cc < kC; ++cc) acc[r][cc] += e * vv[cc];
+          }
+          continue;
+        }
         for (int r = 0; r < kRows; ++r) {
           if (r >= n_rows || j < lo[r] || j > hi[r] || !b.visible(r, j)) continue;
           const V e = V::splat(scores[r * sstride + j - ulo]);
@@ -293,11 +310,51 @@ __attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t 
   }
 }
 
-// V is W16 (AVX-512) or V16; kDb output dims of the V sum are accumulated per pass (the registers they take: 64 on
-// AVX-512's 32 zmm, 16 on AVX2's 16 ymm); neither changes any row's arithmetic.
+// fold16 of 16 vectors at once: out[s] = fold16(a[s]). The halving tree's levels are done on vectors holding two,
+// four, eight, then sixteen slots' lanes (each add pairs the lanes fold16 pairs), so every result has fold16's bits;
+// the slots end in lane 4 (s % 4) + s / 4 and are put back in order by one permutation.
+__attribute__((target("arch=x86-64-v4"))) inline __m512 fold16x16(const W16* a) {
+  __m512 p[8], q[4], r[2];
+  for (int i = 0; i < 8; ++i) {  // lane l + lane l + 8: [slot 2i's 8 sums, slot 2i + 1's]
+    const __m512 x = (__m512)a[2 * i].v, y = (__m512)a[2 * i + 1].v;
+    p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int k = 0; k < 4; ++k)  // l + l + 4: 128-bit lane m holds slot 4k + m's 4 sums
+    q[k] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)  // l + l + 2: lane L holds slot 8m + L's 2 sums, then slot 8m + 4 + L's
+    r[m] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * m], q[2 * m + 1], 0x44),
+                         _mm512_shuffle_ps(q[2 * m], q[2 * m + 1], 0xEE));
+  // l + l + 1: element 4L + i holds slot L + 4i
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
+}
+
+// block_scores_t on AVX-512: where the head dim is whole vectors, 16 slots of a row at a time (their partial sums as
+// block_scores_t forms them, folded together: fold16x16), the rest slot by slot. The same bits as block_scores_t.
 __attribute__((target("arch=x86-64-v4"))) void block_scores_v4(const Block& b, int64_t j0, int64_t j1) {
+  const int64_t Dh = b.Dh, kstride = b.kstride, sstride = b.sstride, ulo = b.ulo;
+  if (Dh % kLanes == 0) {
+    const __m512 scale = _mm512_set1_ps(b.scale);
+    for (; j0 + kLanes <= j1; j0 += kLanes) {
+      const float* k0 = b.k + j0 * kstride;
+      for (int r = 0; r < b.n_rows; ++r) {
+        const float* q = b.q[r];
+        W16 acc[kLanes];
+        for (int s = 0; s < kLanes; ++s) {
+          const float* kj = k0 + s * kstride;
+          W16 a = W16::splat(0.0f);
+          for (int64_t i = 0; i < Dh; i += kLanes) a += W16::load(q + i) * W16::load(kj + i);
+          acc[s] = a;
+        }
+        _mm512_storeu_ps(b.scores + r * sstride + j0 - ulo, _mm512_mul_ps(fold16x16(acc), scale));
+      }
+    }
+  }
   block_scores_t<W16>(b, j0, j1);
 }
+// V is W16 (AVX-512) or V16; kDb output dims of the V sum are accumulated per pass (the registers they take: 64 on
+// AVX-512's 32 zmm, 16 on AVX2's 16 ymm); neither changes any row's arithmetic.
 __attribute__((target("arch=x86-64-v3"))) void block_scores_v3(const Block& b, int64_t j0, int64_t j1) {
   block_scores_t<V16>(b, j0, j1);
 }
@@ -310,16 +367,21 @@ __attribute__((target("arch=x86-64-v3"))) void block_vsum_v3(const Block& b, int
 }
 void block_vsum_generic(const Block& b, int64_t c0, int64_t c1) { block_vsum_t<V16, 16>(b, c0, c1); }
 
+// 4 (AVX-512), 3 (AVX2) or 0 (generic): the best this CPU has, lowered where set_isa / FUCINA_KERNEL_ISA ask the
+// kernels for lower code (all give the same bits).
 int cpu_level() {
-  static const int level = [] {
+  static const int native = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("x86-64-v4") ? 4 : __builtin_cpu_supports("x86-64-v3") ? 3 : 0;
   }();
-  return level;
+  const int isa = fucina::kernel_isa();
+  if (isa == 2) return 0;
+  if (isa == 1 && fucina::kernel_best_isa() == 0) return std::min(native, 3);
+  return native;
 }
 
 void block_scores(const Block& b, int64_t j0, int64_t j1) {
-  const int level = cpu_level();
+  const int level = b.level;
   if (level == 4) return block_scores_v4(b, j0, j1);
   if (level == 3) return block_scores_v3(b, j0, j1);
   block_scores_generic(b, j0, j1);
@@ -327,12 +389,98 @@ void block_scores(const Block& b, int64_t j0, int64_t j1) {
 
 // The V-sum chunks of a block: Dv / kDb whole ones (kDb of this CPU's code), plus one for a tail.
 int64_t vsum_chunks(const Block& b) {
-  const int64_t kDb = cpu_level() == 4 ? 64 : 16;
+  const int64_t kDb = b.level == 4 ? 64 : 16;
   return b.Dv / kDb + (b.Dv % kDb != 0);
 }
 
+// exp_neg on 16 lanes: the same IEEE operations in the same order, lane by lane (nearbyint is a round to nearest
+// even, the integer conversion exact), so every lane is exp_neg of its input bitwise.
+__attribute__((target("arch=x86-64-v4"))) inline __m512 exp_neg16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(live, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+}
+
+// block_softmax of rows [r0, r1) on AVX-512, with its bits: a chain row's max 16 slots at a time (a max is exact,
+// and the sign of a zero max changes no exp), every slot of a row's range through exp_neg16 (slots a tree row cannot
+// see too: they are never read), then the rows' sums in slot order, the rows' chains interleaved.
+__attribute__((target("arch=x86-64-v4"))) void softmax_rows_v4(Block& b, int r0, int r1) {
+  const int64_t sstride = b.sstride, ulo = b.ulo;
+  int64_t jlo = INT64_MAX, jhi = -1;
+  for (int r = r0; r < r1; ++r) {
+    const int64_t lo = b.lo[r], hi = b.hi[r];
+    if (hi < lo) continue;
+    jlo = std::min(jlo, lo), jhi = std::max(jhi, hi);
+    float* sc = b.scores + r * sstride - ulo;
+    float m = -INFINITY;
+    int64_t j = lo;
+    if (b.tbase == INT64_MAX) {
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      for (; j + kLanes <= hi + 1; j += kLanes) {
+        const __m512 x = _mm512_loadu_ps(sc + j);
+        mv = _mm512_mask_mov_ps(mv, _mm512_cmp_ps_mask(mv, x, _CMP_LT_OQ), x);
+      }
+      float lanes[kLanes];
+      _mm512_storeu_ps(lanes, mv);
+      for (int l = 0; l < kLanes; ++l) m = std::max(m, lanes[l]);
+    }
+    for (; j <= hi; ++j)
+      if (b.visible(r, j)) m = std::max(m, sc[j]);
+    const __m512 mv = _mm512_set1_ps(m);
+    for (j = lo; j <= hi; j += kLanes) {
+      const __mmask16 k = hi + 1 - j >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (hi + 1 - j)) - 1);
+      _mm512_mask_storeu_ps(sc + j, k, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), mv)));
+    }
+  }
+  // the sums: slots every row sees (a chain's common range) without tests, the others with them
+  float l[kRows] = {};
+  int64_t clo = jlo, chi = b.tbase == INT64_MAX ? jhi : jlo - 1;
+  for (int r = r0; r < r1; ++r)
+    if (b.hi[r] >= b.lo[r]) clo = std::max(clo, b.lo[r]), chi = std::min(chi, b.hi[r]);
+    else chi = -1;  // a row that sees nothing: no common range
+  auto edge = [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int r = r0; r < r1; ++r)
+        if (j >= b.lo[r] && j <= b.hi[r] && b.visible(r, j)) l[r] += b.scores[r * sstride + j - ulo];
+  };
+  if (chi < clo) {
+    edge(jlo, jhi + 1);
+  } else {
+    edge(jlo, clo);
+    const float* sr[kRows];
+    for (int r = 0; r < kRows; ++r) sr[r] = b.scores + (r0 + r < r1 ? r0 + r : r0) * sstride - ulo;
+    float a[kRows] = {};
+    for (int r = 0; r < kRows; ++r) a[r] = l[r0 + r < r1 ? r0 + r : 0];
+    const int n = r1 - r0;
+    for (int64_t j = clo; j <= chi; ++j)
+      for (int r = 0; r < kRows; ++r)
+        if (r < n) a[r] += sr[r][j];
+    for (int r = 0; r < n; ++r) l[r0 + r] = a[r];
+    edge(chi + 1, jhi + 1);
+  }
+  for (int r = r0; r < r1; ++r)
+    if (b.hi[r] >= b.lo[r]) b.inv[r] = 1.0f / l[r];
+}
+
+// block_softmax of the rows [r0, r1).
+void block_softmax_rows(Block& b, int r0, int r1) {
+  if (b.level == 4) return softmax_rows_v4(b, r0, r1);
+  for (int r = r0; r < r1; ++r) block_softmax(b, r);
+}
+
 void block_vsum(const Block& b, int64_t c0, int64_t c1) {
-  const int level = cpu_level();
+  const int level = b.level;
   if (level == 4) return block_vsum_v4(b, c0, c1);
   if (level == 3) return block_vsum_v3(b, c0, c1);
   block_vsum_generic(b, c0, c1);
@@ -343,14 +491,14 @@ void attend(Block& b, xla::ffi::ThreadPool* pool) {
   b.init();
   if (pool == nullptr || b.uhi < b.ulo) {
     if (b.uhi >= b.ulo) block_scores(b, b.ulo, b.uhi + 1);
-    for (int r = 0; r < b.n_rows; ++r) block_softmax(b, r);
+    block_softmax_rows(b, 0, b.n_rows);
     block_vsum(b, 0, vsum_chunks(b));
     return;
   }
   fucina::parallel_for(*pool, b.uhi + 1 - b.ulo,
                        [&](int64_t j0, int64_t j1) { block_scores(b, b.ulo + j0, b.ulo + j1); }, 2);
   fucina::parallel_for(*pool, b.n_rows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) block_softmax(b, static_cast<int>(r));
+    block_softmax_rows(b, static_cast<int>(r0), static_cast<int>(r1));
   }, 1);
   fucina::parallel_for(*pool, vsum_chunks(b), [&](int64_t c0, int64_t c1) { block_vsum(b, c0, c1); }, 1);
 }
@@ -414,6 +562,7 @@ void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<floa
   }
   Block w{b.q, b.out, b.n_rows, rlo, rhi, kbuf.data(), b.Dh, vbuf.data(), b.Dv, b.Dh, b.Dv, b.scale, b.scores,
           b.sstride};
+  w.level = b.level;
   if (b.tbase != INT64_MAX) {  // slot indices made relative, the tree's too
     w.tbase = b.tbase - b.ulo;
     std::memcpy(w.tmask, b.tmask, sizeof(w.tmask));
@@ -487,6 +636,7 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // fewer blocks than threads: each block's phases split across the pool
   xla::ffi::ThreadPool* split = items < threads && work / items >= kSplitWork ? &pool : nullptr;
+  const int level = cpu_level();
   auto run = [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(static_cast<size_t>(kRows * s.S)), kbuf, vbuf;
     for (int64_t it = i0; it < i1; ++it) {
@@ -522,6 +672,7 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
       const int64_t koff = (cb * s.S * s.K + kh) * s.Dh, voff = (cb * s.S * s.K + kh) * s.Dv;
       Block blk_{qrow, orow, n_rows, lo, hi, kp + koff, s.K * s.Dh, vp + voff, s.K * s.Dv, s.Dh, s.Dv, scale,
                  scores.data(), s.S};
+      blk_.level = level;
       if (s.tree) {
         blk_.tbase = tbase;
         std::memcpy(blk_.tmask, tmask, sizeof(tmask));

@@ -805,7 +805,8 @@ ffi::Error QMatmulExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 }  // namespace
 
 namespace fucina {
-int kernel_isa() { return current_isa(); }  // for fmatmul.cc
+int kernel_isa() { return current_isa(); }  // for fmatmul.cc and attention.cc
+int kernel_best_isa() { return best_isa(); }  // for attention.cc
 }  // namespace fucina
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
