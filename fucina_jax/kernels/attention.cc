@@ -341,11 +341,10 @@ __attribute__((target("arch=x86-64-v4"))) void block_scores_v4(const Block& b, i
       for (int r = 0; r < b.n_rows; ++r) {
         const float* q = b.q[r];
         W16 acc[kLanes];
-        for (int s = 0; s < kLanes; ++s) {
-          const float* kj = k0 + s * kstride;
-          W16 a = W16::splat(0.0f);
-          for (int64_t i = 0; i < Dh; i += kLanes) a += W16::load(q + i) * W16::load(kj + i);
-          acc[s] = a;
+        for (int s = 0; s < kLanes; ++s) acc[s] = W16::splat(0.0f);
+        for (int64_t i = 0; i < Dh; i += kLanes) {  // each slot's sums in block_scores_t's order: i ascending
+          const W16 qi = W16::load(q + i);
+          for (int s = 0; s < kLanes; ++s) acc[s] += qi * W16::load(k0 + s * kstride + i);
         }
         _mm512_storeu_ps(b.scores + r * sstride + j0 - ulo, _mm512_mul_ps(fold16x16(acc), scale));
       }
