@@ -446,7 +446,8 @@ def _random_tree_masks(rng, B: int, T: int) -> tuple[np.ndarray, np.ndarray]:
 def test_attention_gives_the_same_bits_on_every_isa(dtype, H, K, Dh, S, T, window, each_isa):
     """The AVX-512 code folds 16 slots' scores at once, runs the softmax 16 slots at a time and sums a chain's
     common slots without tests; the AVX2 and generic code go slot by slot. Every instruction set gives the same
-    bits, chains and trees, spans that are not a multiple of 16, sliding windows, a block split across the pool."""
+    bits, chains and trees, spans that are not a multiple of 16, sliding windows, a block split across the pool; an
+    fp16 cache gives the bits of an f32 cache holding its values."""
     rng = np.random.default_rng(31)
     B = 2
     q = rng.standard_normal((B, T, H, Dh)).astype(np.float32)
@@ -457,13 +458,16 @@ def test_attention_gives_the_same_bits_on_every_isa(dtype, H, K, Dh, S, T, windo
     tree_pos = (pos[:, :1] + depth).astype(np.int32)
     chain = jax.jit(kernels.attention, static_argnums=(4, 5))
     tree = jax.jit(lambda q, k, v, p, m: kernels.attention(q, k, v, p, 0.125, window, tree=m))
+    k32, v32 = k.astype(np.float32), v.astype(np.float32)
     got = {}
     for isa in each_isa:
         kernels.set_isa(isa)
         got[isa] = (np.asarray(chain(q, k, v, pos, 0.125, window)), np.asarray(tree(q, k, v, tree_pos, masks)))
+        if dtype == np.float16:  # an fp16 cache (each kv head's slots widened once for its blocks) == those values in f32
+            np.testing.assert_array_equal(got[isa][0], np.asarray(chain(q, k32, v32, pos, 0.125, window)))
+            np.testing.assert_array_equal(got[isa][1], np.asarray(tree(q, k32, v32, tree_pos, masks)))
     want = got[each_isa[-1]]  # the generic code
-    np.testing.assert_allclose(want[0], np_attention(q, k.astype(np.float32), v.astype(np.float32), pos, 0.125,
-                                                     window), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(want[0], np_attention(q, k32, v32, pos, 0.125, window), rtol=1e-5, atol=1e-5)
     for isa, (c, t) in got.items():
         np.testing.assert_array_equal(c, want[0], err_msg=f"{isa}: chain")
         np.testing.assert_array_equal(t, want[1], err_msg=f"{isa}: tree")

@@ -544,26 +544,31 @@ void narrow(const float* src, uint16_t* dst, int64_t n) {
   has_f16c() ? narrow_f16c(src, dst, n) : narrow_plain(src, dst, n);
 }
 
-void attend_f16(Block& b, const uint16_t* k, const uint16_t* v, std::vector<float>& kbuf, std::vector<float>& vbuf,
-                xla::ffi::ThreadPool* pool) {
-  b.init();
-  int64_t rlo[kRows], rhi[kRows];
-  const int64_t n = b.uhi >= b.ulo ? b.uhi - b.ulo + 1 : 0;
-  for (int r = 0; r < b.n_rows; ++r) {
-    rlo[r] = b.hi[r] >= b.lo[r] ? b.lo[r] - b.ulo : 0;
-    rhi[r] = b.hi[r] >= b.lo[r] ? b.hi[r] - b.ulo : -1;
-  }
-  kbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * b.Dh));
-  vbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * b.Dv));
+// Slots [lo, hi] of one kv head of an fp16 cache (k and v at slot 0, slots kstride / vstride apart) widened into
+// kbuf [hi - lo + 1, Dh] and vbuf [hi - lo + 1, Dv].
+void widen_slots(const uint16_t* k, const uint16_t* v, int64_t lo, int64_t hi, int64_t kstride, int64_t vstride,
+                 int64_t Dh, int64_t Dv, std::vector<float>& kbuf, std::vector<float>& vbuf) {
+  const int64_t n = hi >= lo ? hi - lo + 1 : 0;
+  kbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * Dh));
+  vbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * Dv));
   for (int64_t j = 0; j < n; ++j) {
-    widen(k + (b.ulo + j) * b.kstride, kbuf.data() + j * b.Dh, b.Dh);
-    widen(v + (b.ulo + j) * b.vstride, vbuf.data() + j * b.Dv, b.Dv);
+    widen(k + (lo + j) * kstride, kbuf.data() + j * Dh, Dh);
+    widen(v + (lo + j) * vstride, vbuf.data() + j * Dv, Dv);
   }
-  Block w{b.q, b.out, b.n_rows, rlo, rhi, kbuf.data(), b.Dh, vbuf.data(), b.Dv, b.Dh, b.Dv, b.scale, b.scores,
-          b.sstride};
+}
+
+// A block of an fp16 cache over its kv head's slots widened from slot `base` on (widen_slots, covering every slot
+// the block's rows see): attend on them as on an f32 cache, slot indices made relative to base.
+void attend_widened(Block& b, int64_t base, const float* kbuf, const float* vbuf, xla::ffi::ThreadPool* pool) {
+  int64_t rlo[kRows], rhi[kRows];
+  for (int r = 0; r < b.n_rows; ++r) {
+    rlo[r] = b.hi[r] >= b.lo[r] ? b.lo[r] - base : 0;
+    rhi[r] = b.hi[r] >= b.lo[r] ? b.hi[r] - base : -1;
+  }
+  Block w{b.q, b.out, b.n_rows, rlo, rhi, kbuf, b.Dh, vbuf, b.Dv, b.Dh, b.Dv, b.scale, b.scores, b.sstride};
   w.level = b.level;
   if (b.tbase != INT64_MAX) {  // slot indices made relative, the tree's too
-    w.tbase = b.tbase - b.ulo;
+    w.tbase = b.tbase - base;
     std::memcpy(w.tmask, b.tmask, sizeof(w.tmask));
   }
   attend(w, pool);
@@ -636,8 +641,27 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
   // fewer blocks than threads: each block's phases split across the pool
   xla::ffi::ThreadPool* split = items < threads && work / items >= kSplitWork ? &pool : nullptr;
   const int level = cpu_level();
+  // The visible slots [lo, hi] of step row t of batch row b, and a tree row's mask of the step slots it sees.
+  auto row_range = [&](int64_t b, int64_t t, int64_t* lo, int64_t* hi, uint32_t* mask) {
+    const int64_t p = pp[b * s.T + t];
+    *lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+    if (s.tree) {  // the slots before the root's (window permitting), then the step rows of its mask
+      const int64_t tbase = pp[b * s.T];  // the root's slot
+      uint32_t m = 0;
+      for (int64_t a = 0; a <= t; ++a)
+        if (((static_cast<uint32_t>(s.tree[b * s.T + t]) >> a) & 1u) && (window <= 0 || p - pp[b * s.T + a] < window))
+          m |= 1u << a;
+      *mask = m;
+      *lo = std::min(*lo, tbase);
+      *hi = std::min<int64_t>(m ? tbase + 31 - __builtin_clz(m) : tbase - 1, s.S - 1);
+    } else {
+      *hi = std::min<int64_t>(p, s.S - 1);
+    }
+  };
   auto run = [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(static_cast<size_t>(kRows * s.S)), kbuf, vbuf;
+    // fp16: the slots of one kv head that any of its rows sees, widened once for all of the head's blocks
+    int64_t wide_b = -1, wide_kh = -1, wide_lo = 0;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t blk = it % blocks, kh = (it / blocks) % s.K, b = it / (blocks * s.K);
       const int64_t first = blk * kRows;
@@ -650,20 +674,7 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
       const int64_t tbase = s.tree ? pp[b * s.T] : INT64_MAX;  // a tree: the root's slot
       for (int r = 0; r < n_rows; ++r) {
         const int64_t tg = first + r, t = tg / s.G, g = tg % s.G, h = kh * s.G + g;
-        const int64_t p = pp[b * s.T + t];
-        lo[r] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-        if (s.tree) {  // the slots before the root's (window permitting), then the step rows of its mask
-          uint32_t m = 0;
-          for (int64_t a = 0; a <= t; ++a)
-            if (((static_cast<uint32_t>(s.tree[b * s.T + t]) >> a) & 1u) &&
-                (window <= 0 || p - pp[b * s.T + a] < window))
-              m |= 1u << a;
-          tmask[r] = m;
-          lo[r] = std::min(lo[r], tbase);
-          hi[r] = std::min<int64_t>(m ? tbase + 31 - __builtin_clz(m) : tbase - 1, s.S - 1);
-        } else {
-          hi[r] = std::min<int64_t>(p, s.S - 1);
-        }
+        row_range(b, t, &lo[r], &hi[r], &tmask[r]);
         qrow[r] = qp + ((b * s.T + t) * s.H + h) * s.Dh;
         orow[r] = op + ((b * s.T + t) * s.H + h) * s.Dv;
       }
@@ -677,7 +688,19 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
         std::memcpy(blk_.tmask, tmask, sizeof(tmask));
       }
       if (half) {
-        attend_f16(blk_, kh16 + koff, vh16 + voff, kbuf, vbuf, split);
+        if (b != wide_b || kh != wide_kh) {
+          int64_t hlo = INT64_MAX, hhi = -1;
+          for (int64_t t = 0; t < s.T; ++t) {
+            int64_t l, h;
+            uint32_t m;
+            row_range(b, t, &l, &h, &m);
+            if (h >= l) hlo = std::min(hlo, l), hhi = std::max(hhi, h);
+          }
+          if (hhi < hlo) hlo = 0, hhi = -1;
+          widen_slots(kh16 + koff, vh16 + voff, hlo, hhi, s.K * s.Dh, s.K * s.Dv, s.Dh, s.Dv, kbuf, vbuf);
+          wide_b = b, wide_kh = kh, wide_lo = hlo;
+        }
+        attend_widened(blk_, wide_lo, kbuf.data(), vbuf.data(), split);
       } else {
         attend(blk_, split);
       }
