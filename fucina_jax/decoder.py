@@ -471,6 +471,8 @@ class Decoder:
         # plain step ran without compiling.
         calibrating = self.clock is not None and gate.plain_samples == 0
         economics = o.policy == "economics"
+        # the economics price whole steps: the drafts, the weighing, the forward and feeding the sources
+        t_begin = self.clock() if self.clock and economics else 0
         speculate = o.enabled and not calibrating and (economics or gate.allows())
         budget = o.max_draft
         if speculate and o.adapt_budget and not economics:
@@ -596,10 +598,7 @@ class Decoder:
             for b, sibs in siblings.items():  # every alternative offered, verified or not: was it the next token?
                 for tok, key in sibs:
                     self.acceptance.record(key, 1, int(bool(out[b].committed) and out[b].committed[0] == tok))
-            if width > 1 and step_ns is not None:
-                gate.note_step(width, n_step, step_ns)
-            elif width == 1 and step_ns is not None:
-                gate.note_plain_ns(step_ns, rows=n_step)
+            timed = step_ns is not None
         else:
             self._price(width, active, out, step_ns)
         # streams, lengths and histories are settled: a source raising below leaves the decoder consistent
@@ -614,6 +613,12 @@ class Decoder:
                     failure, self.failed_row = e, b
         if failure is not None:
             raise failure
+        if economics and timed:
+            whole_ns = self.clock() - t_begin  # a step that compiled was not timed (step_ns)
+            if width > 1:
+                gate.note_step(width, n_step, whole_ns)
+            else:
+                gate.note_plain_ns(whole_ns, rows=n_step)
         return out
 
     # ---- internals ----------------------------------------------------------------------------------------
