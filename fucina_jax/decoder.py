@@ -135,6 +135,9 @@ def accept(sampled: Sequence[int], draft: Sequence[int], stops: Container[int], 
     """
     committed: list[int] = []
     d = len(draft)
+    # Python ints, not NumPy scalars: every step of every row runs this walk
+    sampled = sampled.tolist() if isinstance(sampled, np.ndarray) else sampled
+    draft = draft.tolist() if isinstance(draft, np.ndarray) else draft
     for i in range(d + 1):
         t = int(sampled[i])
         if t in stops:
@@ -351,6 +354,7 @@ class Decoder:
         self._cap = 0  # the sampler's static candidate cap: the widest any row needs (any cap gives the same tokens)
         self._window = 0  # the history window: the longest any row needs (each row cuts it to its own)
         self._buf = np.zeros(MAX_DRAFT, np.int32)  # sources draft into this
+        self._blanks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (rows, width) -> (toks, drafts)
         self._program_keys: dict = {}  # (rows, width, ...) -> the step program's key, for _ready
         self._fresh = [False] * self.B  # rows begun whose first token first() has not sampled yet
         # the row whose draft source raised in the last step() (None: none did); with a source failing in
@@ -520,8 +524,12 @@ class Decoder:
         order = list(range(self.B)) if n_step == self.B else \
             active + [b for b in range(self.B) if b not in active][: n_step - len(active)]
         at = {b: i for i, b in enumerate(order)}
-        toks = np.zeros((n_step, width), np.int32)  # padding holds token 0: computed, never looked at
-        dr = np.full((n_step, width), -1, np.int32)
+        blank = self._blanks.get((n_step, width))
+        if blank is None:
+            blank = self._blanks[(n_step, width)] = (np.zeros((n_step, width), np.int32),
+                                                     np.full((n_step, width), -1, np.int32))
+        toks = blank[0].copy()  # padding holds token 0: computed, never looked at
+        dr = blank[1].copy()  # (copies of kept blanks: np.full costs ~10x a copy)
         start = np.zeros(n_step, np.int32)
         for i, b in enumerate(order):
             row = rows[b]
@@ -692,7 +700,10 @@ class Decoder:
         """Append the outcome to the row's stream, count it in the row's statistics (a step's; not the first token)
         and decide whether the row is done: the stop rules, here only."""
         k = len(o.committed)
-        if k:
+        if k == 1:
+            row.stream[row.n] = o.committed[0]
+            row.n += 1
+        elif k:
             row.stream[row.n : row.n + k] = o.committed
             row.n += k
         if count:
@@ -729,19 +740,19 @@ class Decoder:
         nodes = {}  # b -> (its candidates best first, their tokens, their parents (-1: the root)) for a tree row
         for b in active:
             if b not in drafts:
-                ranked.append(np.zeros(0))
+                ranked.append(())
                 continue
             src = self.rows[b].source
             keys[b] = src.evidence() if callable(getattr(src, "evidence", None)) else "draft"
             x = drafts[b]
-            p = self.acceptance.chain(keys[b], len(x))
+            p = self.acceptance.cumulative(keys[b])[: len(x)]
             sibs = siblings.get(b, ())
             if not sibs:
                 ranked.append(p)
                 continue
             toks = np.concatenate([x, np.asarray([t for t, _ in sibs], np.int32)])
             par = np.concatenate([np.arange(-1, len(x) - 1), np.full(len(sibs), -1)]).astype(np.int32)
-            prob = np.concatenate([p, [self.acceptance.chain(k, 1)[0] for _, k in sibs]])
+            prob = np.concatenate([p, [self.acceptance.cumulative(k)[0] for _, k in sibs]])
             order = sorted(range(len(toks)), key=lambda i: (-prob[i], i))[: max(limits[b] - 1, 0)]
             nodes[b] = (order, toks, par)
             ranked.append(prob[order])
@@ -835,8 +846,8 @@ class Decoder:
             raise DraftSourceError(f"{who} returned length {n!r}; it must be an int in [0, {max_draft}]")
         n = int(n)
         if n:
-            ids = buf[:n]
-            lo, hi = int(ids.min()), int(ids.max())
+            ids = buf[:n].tolist()  # at most max_draft ids: list min/max beat two NumPy reductions
+            lo, hi = min(ids), max(ids)
             V = self.model.config.n_vocab
             if lo < 0 or hi >= V:
                 raise DraftSourceError(f"{who} proposed token id {lo if lo < 0 else hi}, outside the vocabulary "

@@ -169,7 +169,7 @@ class SpeculationIndex:
         self._src_recycling = _Source("recycling", policy.mute_window)
         self._stream = np.zeros(1024, dtype=np.int32)  # [capacity] committed tokens; the first _n are live
         self._n = 0
-        self._pending: tuple[_Source, np.ndarray] | None = None  # the last draft, awaiting its verdict
+        self._pending: tuple[_Source, list[int]] | None = None  # the last draft, awaiting its verdict
         self._evidence = "none"  # what the last draft rests on (evidence())
         self._topk_budget = 0  # rows observe_topk may still take: the size of the latest observed slice
 
@@ -212,13 +212,13 @@ class SpeculationIndex:
             else:
                 n = index.draft(buf, budget)
             if n > 0:
-                self._pending = (src, buf[:n].copy())
+                self._pending = (src, buf[:n].tolist())
                 self._evidence = f"{src.name}:{match_bucket(length)}"
                 return n
         if self._recycling is not None and not self._src_recycling.muted and self._n > 0:
             n = self._recycling.draft(int(self._stream[self._n - 1]), buf, min(p.recycling_cap, limit))
             if n > 0:
-                self._pending = (self._src_recycling, buf[:n].copy())
+                self._pending = (self._src_recycling, buf[:n].tolist())
                 self._evidence = "recycling"
                 return n
         return 0
@@ -226,14 +226,14 @@ class SpeculationIndex:
     def observe(self, committed: np.ndarray) -> None:
         """Feed newly committed tokens to every source (muted ones included) and settle the pending draft."""
         toks = self._check_tokens(committed, "committed tokens")
-        k = len(toks)
+        ids = toks.tolist()
+        k = len(ids)
         n_after = self._n + k
         if self._pending is not None:
-            src, draft = self._pending
+            src, draft = self._pending  # draft: a list of ids
             self._pending = None
             m = min(len(draft), k)
-            same = draft[:m] == toks[:m]
-            accepted = m if same.all() else int(np.argmin(same))
+            accepted = next((i for i in range(m) if draft[i] != ids[i]), m)
             src.record(len(draft), accepted, min(accepted + 1, m), self.policy, n_after)
         if k:
             if not self._conversation.poisoned:
@@ -249,7 +249,7 @@ class SpeculationIndex:
                 self._output_start = n_after
             if self._recycling is not None:
                 prev = int(self._stream[self._n - 1]) if self._n else -1
-                self._recycling.observe(prev, toks)
+                self._recycling.observe(prev, ids)
             if n_after > len(self._stream):
                 grown = np.zeros(max(2 * len(self._stream), n_after), dtype=np.int32)
                 grown[: self._n] = self._stream[: self._n]
@@ -257,8 +257,9 @@ class SpeculationIndex:
             self._stream[self._n : n_after] = toks
             self._n = n_after
         self._topk_budget = k
-        for src in self._sources():
-            src.maybe_reprobe(self._n)
+        if self._n_muted():
+            for src in self._sources():
+                src.maybe_reprobe(self._n)
 
     def observe_topk(self, rows: np.ndarray) -> None:
         """Top-K rows aligned with the last committed tokens (see `DraftSource.observe_topk`)."""
@@ -423,13 +424,18 @@ class SpeculationIndex:
         """The last m committed tokens (the output matcher re-walks them after the output index changes)."""
         return self._stream[max(0, self._n - m) : self._n]
 
+    def _n_muted(self) -> int:
+        n = self._src_conversation.muted_until >= 0 or self._src_outputs.muted_until >= 0 or \
+            self._src_recycling.muted_until >= 0
+        return n or any(src.muted_until >= 0 for src in self._src_references)
+
     def _sources(self) -> list[_Source]:
         tail = [self._src_outputs] if self._outputs is not None else []
         tail += [self._src_recycling] if self._recycling is not None else []
         return [self._src_conversation, *self._src_references, *tail]
 
     def _check_tokens(self, tokens, what: str) -> np.ndarray:
-        a = np.asarray(tokens)
+        a = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise DraftIndexError(f"{what} must be a 1-D integer array; got shape {a.shape} dtype {a.dtype}")
         lo, hi = _min_max(a)

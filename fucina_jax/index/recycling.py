@@ -59,10 +59,11 @@ class RecyclingMatrix:
         row[1 : k + 1] = old[:k]
         row[0] = b
 
-    def observe(self, prev: int, committed: np.ndarray) -> None:
-        """Move-to-front for the bigrams (prev, c0), (c0, c1), ...; prev < 0: the stream starts here."""
+    def observe(self, prev: int, committed) -> None:
+        """Move-to-front for the bigrams (prev, c0), (c0, c1), ...; prev < 0: the stream starts here. committed:
+        an int array or a list of ids."""
         a = int(prev)
-        for b in committed.tolist():
+        for b in committed.tolist() if isinstance(committed, np.ndarray) else committed:
             if a >= 0:
                 self.move_to_front(a, b)
             a = b

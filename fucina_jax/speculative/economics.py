@@ -27,11 +27,13 @@ import numpy as np
 
 from fucina_jax.index.protocol import match_bucket
 
-__all__ = ["AcceptanceModel", "DEPTH_BUCKETS", "MATCH_PRIOR", "expected_committed", "choose_width", "key_prior"]
+__all__ = ["AcceptanceModel", "DEPTH_BUCKETS", "MATCH_PRIOR", "expected_committed", "choose_width", "key_prior",
+           "MAX_DEPTH"]
 
 # Draft depths 1..15 pooled into buckets (acceptance decays with depth; deep positions are rarer)
 DEPTH_BUCKETS = (1, 2, 3, 5, 9)  # bucket i holds depths [DEPTH_BUCKETS[i], DEPTH_BUCKETS[i + 1])
-_DEPTH_OF = np.array([0] + [max(i for i, lo in enumerate(DEPTH_BUCKETS) if d >= lo) for d in range(1, 16)])
+MAX_DEPTH = 15
+_DEPTH_OF = [0] + [max(i for i, lo in enumerate(DEPTH_BUCKETS) if d >= lo) for d in range(1, MAX_DEPTH + 1)]
 
 
 class AcceptanceModel:
@@ -43,46 +45,63 @@ class AcceptanceModel:
     match is near-certain, a 1-token match or a recycled candidate a weak guess). A depth that has not been verified
     yet is assumed as good as the depth before it, not as bad as an unknown key, so a source that keeps being right
     earns wider verifies. window: once a cell holds more than this many observations its counts are halved, so old
-    evidence fades."""
+    evidence fades.
+
+    Plain Python floats, not NumPy: it runs on every step that has a draft, on arrays of 5, where each NumPy call
+    costs more than the arithmetic (and more still with the forward's working set in the caches). A key's chain is
+    computed once and kept until its counts change."""
 
     def __init__(self, prior_mean: float | None = None, strength: float = 4.0, window: float = 64.0):
         self.prior_mean = prior_mean  # None: key_prior(key)
         self.strength = strength
         self.window = window
-        self._cells: dict[Hashable, np.ndarray] = {}  # key -> [len(DEPTH_BUCKETS), 2] (accepted, rejected)
+        self._cells: dict[Hashable, list[list[float]]] = {}  # key -> per depth bucket [accepted, rejected]
+        self._chains: dict[Hashable, list[float]] = {}  # key -> cumulative(key), until its counts change
 
-    def _cell(self, key: Hashable) -> np.ndarray:
-        c = self._cells.get(key)
-        if c is None:
-            c = self._cells[key] = np.zeros((len(DEPTH_BUCKETS), 2))
-        return c
-
-    def _p(self, key: Hashable) -> np.ndarray:
+    def _p(self, key: Hashable) -> list[float]:
         """The estimate per depth bucket."""
-        c = self._cell(key)
-        p = np.empty(len(DEPTH_BUCKETS))
+        cells = self._cells.get(key)
         above = key_prior(key) if self.prior_mean is None else self.prior_mean
-        for j, (a, r) in enumerate(c):
-            above = p[j] = (a + self.strength * above) / (a + r + self.strength)
+        if cells is None:
+            return [above] * len(DEPTH_BUCKETS)
+        s = self.strength
+        p = []
+        for a, r in cells:
+            above = (a + s * above) / (a + r + s)
+            p.append(above)
         return p
+
+    def cumulative(self, key: Hashable) -> list[float]:
+        """P(the first i draft tokens are all accepted) for i = 1..MAX_DEPTH, kept per key (do not modify)."""
+        c = self._chains.get(key)
+        if c is None:
+            p = self._p(key)
+            c, run = [], 1.0
+            for d in range(1, MAX_DEPTH + 1):
+                run *= p[_DEPTH_OF[d]]
+                c.append(run)
+            self._chains[key] = c
+        return c
 
     def chain(self, key: Hashable, d: int) -> np.ndarray:
         """P(the first i draft tokens are all accepted) for i = 1..d (float64 [d])."""
-        if d <= 0:
-            return np.zeros(0)
-        return np.cumprod(self._p(key)[_DEPTH_OF[1 : d + 1]])
+        return np.asarray(self.cumulative(key)[: max(d, 0)], np.float64)
 
     def record(self, key: Hashable, drafted: int, accepted: int) -> None:
         """A verify offered `drafted` tokens of this key and the first `accepted` were committed: depths
         1..accepted were accepted, depth accepted + 1 (if offered) was rejected, deeper ones were never tried."""
         if drafted <= 0:
             return
-        c = self._cell(key)
-        for depth in range(1, min(drafted, accepted + 1) + 1):
-            row = c[_DEPTH_OF[depth]]
+        cells = self._cells.get(key)
+        if cells is None:
+            cells = self._cells[key] = [[0.0, 0.0] for _ in DEPTH_BUCKETS]
+        self._chains.pop(key, None)
+        for depth in range(1, min(drafted, accepted + 1, MAX_DEPTH) + 1):
+            row = cells[_DEPTH_OF[depth]]
             row[0 if depth <= accepted else 1] += 1.0
-            if row.sum() > self.window:
-                row *= 0.5
+            if row[0] + row[1] > self.window:
+                row[0] *= 0.5
+                row[1] *= 0.5
 
     def snapshot(self) -> dict:
         """{key: [p per depth bucket]} (statistics)."""
@@ -108,29 +127,40 @@ def key_prior(key: Hashable) -> float:
     return DEFAULT_PRIOR
 
 
-def expected_committed(chain: np.ndarray, width: int) -> float:
+def expected_committed(chain: Sequence[float], width: int) -> float:
     """E[committed] of a step of `width` rows over a draft whose cumulative acceptance is `chain` (the draft is
     cut to width - 1 tokens)."""
-    return 1.0 + float(chain[: max(0, width - 1)].sum())
+    return 1.0 + float(sum(chain[: max(0, width - 1)]))
 
 
-def choose_width(chains: Sequence[np.ndarray], widths: Sequence[int], cost, margin: float) -> tuple[int, float]:
+def choose_width(chains: Sequence[Sequence[float]], widths: Sequence[int], cost, margin: float) -> tuple[int, float]:
     """(the step width with the highest value, that value) over `widths` (1 = a plain step, value 1). chains: each
     active row's cumulative acceptance of its draft (empty: no draft); cost(w): the step's cost in plain steps of the
     same batch. A width wider than the longest draft + 1 buys nothing and is not considered; a verify is chosen only
     when its value exceeds 1 + margin."""
     rows = len(chains)
+    chains = [c.tolist() if isinstance(c, np.ndarray) else c for c in chains]
     longest = max((len(c) for c in chains), default=0)
     best, best_value = 1, 1.0
     if rows == 0 or longest == 0:
         return best, best_value
+    # prefix[i]: the rows' summed P over their first i draft tokens (a shorter draft adds nothing past its end)
+    prefix = [0.0] * (longest + 1)
+    for c in chains:
+        run = 0.0
+        for i, p in enumerate(c, 1):
+            run += p
+            prefix[i] += run
+        for i in range(len(c) + 1, longest + 1):
+            prefix[i] += run
+    top = _next_width(widths, longest + 1)
     for w in widths:
-        if w <= 1 or w > _next_width(widths, longest + 1):
+        if w <= 1 or w > top:
             continue
         c = cost(w)
         if not math.isfinite(c) or c <= 0:
             continue
-        value = sum(expected_committed(ch, w) for ch in chains) / (rows * c)
+        value = (rows + prefix[min(w - 1, longest)]) / (rows * c)
         if value > best_value * (1.0 + 1e-9) and value > 1.0 + margin:
             best, best_value = w, value
     return best, best_value
