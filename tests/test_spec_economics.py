@@ -50,6 +50,15 @@ def test_acceptance_model_counts_conditional_acceptance_per_depth():
     assert windowed.chain("k", 1)[0] < 0.6  # old evidence fades: the recent rejections weigh
     # a key's match length is evidence before any verify: long verbatim matches start near-certain
     assert AcceptanceModel().chain("conversation:32", 1)[0] == pytest.approx(0.9)
+    # a key's kept chain follows its counts: recomputed after every record, equal to a fresh model's
+    kept, fresh = AcceptanceModel(), None
+    for i in range(30):
+        assert len(kept.cumulative("ref0:4")) == 15
+        kept.record("ref0:4", 1 + i % 7, i % 3)
+        fresh = AcceptanceModel()
+        for j in range(i + 1):
+            fresh.record("ref0:4", 1 + j % 7, j % 3)
+        assert kept.cumulative("ref0:4") == fresh.cumulative("ref0:4")
     assert key_prior("ref0:1") < key_prior("outputs:8") < key_prior("conversation:16") and key_prior("x") == 0.25
     assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 1000)] == [0, 1, 2, 2, 4, 4, 8, 16, 32, 32]
 
@@ -68,6 +77,18 @@ def test_choose_width_maximises_expected_tokens_per_cost():
     w, v = choose_width([sure[:3], np.zeros(0)], widths, cost, 0.02)
     assert w == 4 and v == pytest.approx((expected_committed(sure[:3], 4) + 1) / (2 * 1.14))
     assert choose_width([np.array([0.06])], widths, cost, 0.02)[0] == 1  # 1.06 / 1.05 is within the margin
+    # the decoder passes lists (AcceptanceModel.cumulative): the same choice as arrays, and as a direct evaluation
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        rows = [np.cumprod(rng.uniform(0.0, 1.0, rng.integers(0, 16))) for _ in range(rng.integers(1, 5))]
+        got = choose_width([r.tolist() for r in rows], widths, cost, 0.02)
+        assert got == choose_width(rows, widths, cost, 0.02)
+        longest = max(len(r) for r in rows)
+        values = {w: sum(expected_committed(r, w) for r in rows) / (len(rows) * cost(w)) for w in widths
+                  if 1 < w and longest and w <= next(x for x in widths if x >= longest + 1)}
+        best = max(values, key=lambda w: (values[w], -w), default=1)
+        want = best if values and values[best] > 1.02 else 1
+        assert got[0] == want, (rows, values)
 
 
 @pytest.fixture(scope="module")
