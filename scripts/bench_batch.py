@@ -4,8 +4,9 @@
 For each B in --batch, B different prompts (repetitive or grounded text, so the cascade has drafts) are decoded as one
 batch with fucina_jax.generate.generate_batched: once plainly (one token per row per step) and once speculatively (each
 row drafts from its own SpeculationIndex). Greedy, no stop ids: every row generates exactly --gen tokens. Each
-configuration runs once untimed first (it compiles that B's step shapes), then --reps timed runs of each mode,
-interleaved (plain, spec, then spec, plain, ...), so machine drift hits both alike (medians).
+configuration first brings in every step program B rows may call (Decoder.prepare_steps) and runs once untimed, then
+--reps timed runs of each mode, interleaved (plain, spec, then spec, plain, ...), so machine drift hits both alike
+(medians).
 
 Printed per B and mode: aggregate tok/s (tokens of all rows / decode wall time), per-row tok/s (what one
 conversation sees), tokens per step and acceptance, and the spec/plain ratio.
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     import fucina_jax
     from fucina_jax.model import default_model_path
     from fucina_jax.sampling import SamplerConfig
+    from fucina_jax.decoder import Decoder, check_request
     from fucina_jax.generate import generate_batched
     from fucina_jax import aot
     from fucina_jax.speculative import SpecOptions
@@ -106,6 +108,16 @@ def main(argv=None) -> int:
     if args.spec:
         modes["spec"] = SpecOptions.up_to(args.max_draft)
 
+    def prepare(B, options):
+        """Bring in every step program a B-row run may call (each row bucket up to B at every width, as the
+        server's --warmup-all): which widths a run chooses depends on what the live cost model has measured so
+        far, so a warm-up run alone leaves some to compile inside a timed run."""
+        rows = [prompts[b % len(prompts)] for b in range(B)]
+        reqs = [check_request(model, p, args.gen, greedy, args.ctx, ())[0] for p in rows]
+        dec = Decoder(model, B, ctx=args.ctx, options=options)
+        dec.begin(reqs)
+        dec.prepare_steps()
+
     def run(B, options):
         rows = [prompts[b % len(prompts)] for b in range(B)]
         res = generate_batched(model, rows, max_tokens=args.gen, sampler=greedy, ctx=args.ctx, stop_ids=(),
@@ -119,6 +131,8 @@ def main(argv=None) -> int:
     for B in batches:
         compile_s = {}
         for name, options in modes.items():  # untimed: each mode's programs compile (or load) here
+            if options.enabled:
+                prepare(B, options)
             warm, _ = run(B, options)
             aot.PREPARER.wait_idle()  # verify widths the warm run asked for, compiled in the background
             compile_s[name] = max(r.compile_seconds for r in warm)
