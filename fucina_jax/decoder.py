@@ -51,7 +51,7 @@ from fucina_jax.index.protocol import DraftSource
 from fucina_jax.models import truncate
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.speculative.economics import AcceptanceModel, choose_width
-from fucina_jax.speculative.gate import MAX_DRAFT, CostGate, LearnedCosts, SpecOptions
+from fucina_jax.speculative.gate import MAX_DRAFT, CostGate, SpecOptions
 
 __all__ = [
     "STOP",
@@ -312,9 +312,7 @@ class Decoder:
     come from (prefill, prepare_prefill, sample_step, decode_sample_step, decode_sample_rows_step with engine's
     signatures): engine itself, or speculative.replay's oracle, which answers from a recorded plain run.
     background_compile (with a clock): verify only at widths whose program is in, preparing the others in the
-    background (_ready): for a long-lived decoder, the server's. learned_costs: the cost model's measurements to
-    start from and learn into, shared with other decoders of the model (the one-shot drivers pass the process's,
-    speculative.gate.learned_costs); None: this decoder's own, from the table.
+    background (_ready): for a long-lived decoder, the server's.
     """
 
     def __init__(
@@ -329,7 +327,6 @@ class Decoder:
         on_verify_row: VerifyRowHook | None = None,
         steps=engine,
         background_compile: bool = False,
-        learned_costs: LearnedCosts | None = None,
     ):
         if not is_int(batch) or batch < 1:
             raise ValueError(f"batch = {batch!r}: at least one row is needed")
@@ -342,9 +339,7 @@ class Decoder:
         self.ctx = model.check_ctx(ctx)
         self.capacity = min(int(capacity or self.ctx), self.ctx)
         self.options = (options or SpecOptions()).validate()
-        # the cost model (both policies; learned_costs: measurements shared with other decoders of the model) and
-        # the "gate" policy's on/off state
-        self.gate = CostGate(self.options, learned_costs)
+        self.gate = CostGate(self.options)  # the cost model (both policies) and the "gate" policy's on/off state
         self.acceptance = AcceptanceModel()  # the "economics" policy's evidence
         self.widths: dict[int, int] = {}  # steps per chosen width ("economics")
         self.tree_steps = 0  # verifies that ran as a tree ("economics" with tree_siblings)

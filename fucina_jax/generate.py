@@ -20,7 +20,7 @@ from fucina_jax.decoder import Decoder, Request, check_request
 from fucina_jax.index.protocol import DraftSource
 from fucina_jax.models import fitted_capacity
 from fucina_jax.sampling import SamplerConfig
-from fucina_jax.speculative.gate import LearnedCosts, SpecOptions, learned_costs
+from fucina_jax.speculative.gate import SpecOptions
 from fucina_jax.speculative.sources import default_source, finish_request
 
 __all__ = ["GenerationResult", "Generation", "generate", "generate_speculative", "generate_batched", "Timer"]
@@ -224,23 +224,15 @@ def generate_speculative(
     source: any DraftSource; None builds a fresh SpeculationIndex (conversation SAM + references + past outputs +
     recycling) over the model's draft memory, shared by the process and kept on disk (persist=False or
     FUCINA_JAX_NO_PERSIST=1: a private one). references: documents for the index, token ids or text (encoded with
-    the model's tokenizer, no BOS). clock: True uses time.perf_counter_ns for the live cost model (what it measures
-    is kept for the model's later runs in this process: speculative.gate.learned_costs), False prices verifies
-    from the static table.
+    the model's tokenizer, no BOS). clock: True uses time.perf_counter_ns for the live cost model, False prices
+    verifies from the static table.
     """
     req, ctx = check_request(model, prompt_ids, max_tokens, sampler, ctx, stop_ids)
     check_spec_args(options, [source], clock)
     req = replace(req, source=default_source(model, source, references, persist=persist))
-    options = options or SpecOptions()
-    dec = Decoder(model, ctx=ctx, capacity=fitted_capacity(len(req.prompt) + max_tokens, ctx), options=options,
-                  clock=_clock(clock), learned_costs=_learned(model, options, clock))
+    dec = Decoder(model, ctx=ctx, capacity=fitted_capacity(len(req.prompt) + max_tokens, ctx),
+                  options=options or SpecOptions(), clock=_clock(clock))
     return Generation(_one(_drive(dec, [req])), dec)
-
-
-def _learned(model, options: SpecOptions, clock) -> LearnedCosts | None:
-    """The process's learned step costs of the model, for a run timed by the real clock (a given clock function,
-    a test's or a replay's, learns into a fresh cost model of its own)."""
-    return learned_costs(model, options) if clock is True else None
 
 
 def _per_row(value, B: int, name: str) -> list:
@@ -297,9 +289,7 @@ as in generate_speculative). options.enabled=False decodes plainly
     elif len(sources) != B:
         raise ValueError(f"batch = {B} rows but {len(sources)} sources: give one per row")
     requests = [replace(req, source=src) for (req, _), src in zip(checked, sources)]
-    options = options or SpecOptions()
-    dec = Decoder(model, B, ctx=ctx, options=options, clock=_clock(clock),
-                  learned_costs=_learned(model, options, clock))
+    dec = Decoder(model, B, ctx=ctx, options=options or SpecOptions(), clock=_clock(clock))
     steps = _drive(dec, requests)
     while True:
         try:

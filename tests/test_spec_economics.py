@@ -4,8 +4,6 @@ compiled call like a plain step."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from spec_helpers import ScriptedSource, garbage, perfect
@@ -172,65 +170,6 @@ def test_step_costs_are_learned_per_width():
     assert gate.step_cost(16, rows=4) != gate.step_cost(16)  # a batch's costs are its own
     gate.note_step(8, 4, 6000.0)
     assert gate.step_cost(8, rows=4) == pytest.approx(6.0)
-
-
-def test_a_wider_step_is_never_priced_below_a_narrower_measured_one():
-    """Noise can time width 2 above width 4 (1.25 against 1.17, seen live on SmolLM2): a width is priced at no less
-    than the highest measured cost of a narrower width of the same batch, so a weak draft is not verified at the
-    wider width because that width looked cheaper than it can be."""
-    from fucina_jax.speculative import CostGate
-
-    gate = CostGate(SpecOptions(cost_table=TABLE))
-    gate.note_plain_ns(1000.0)
-    gate.note_step(4, 1, 1170.0)
-    assert gate.step_cost(4) == pytest.approx(1.17)
-    assert gate.step_cost(2) == pytest.approx(max(1.05 * (1 - CostGate.UNMEASURED_DISCOUNT), 1.0))  # below: no floor
-    gate.note_step(2, 1, 1250.0)
-    assert gate.step_cost(2) == pytest.approx(1.25)
-    assert gate.step_cost(4) == pytest.approx(1.25)  # lifted to width 2's
-    assert gate.step_cost(8) >= 1.25 and gate.step_cost(16) >= 1.25  # unmeasured: the model, no less
-    assert gate.step_cost(4, rows=2) < 1.25  # another batch size keeps its own
-    weak = np.cumprod(np.full(3, 0.2))  # worth 1.248 at width 4: a win at 1.17, not at 1.25
-    assert choose_width([weak], engine.STEP_WIDTHS, gate.step_cost, 0.02) == (1, 1.0)
-    for t in (1300.0, 1400.0, 1500.0):
-        gate.note_step(4, 1, t)  # width 4 measured up again: its own cost
-    assert gate.step_cost(4) > gate.step_cost(2)
-    costs = [gate.step_cost(w) for w in engine.STEP_WIDTHS]
-    assert costs == sorted(costs)
-
-
-def test_one_shot_runs_on_a_model_share_its_learned_costs(qwen3):
-    """generate_speculative under the real clock keeps what its gate measured for the model's next runs in the
-    process (speculative.gate.learned_costs): the second run's gate starts from the first's costs. A run with its
-    own clock function (a test's, a replay's) learns into a fresh model. Streams stay plain decoding's."""
-    from fucina_jax.speculative import CostGate
-    from fucina_jax.speculative.gate import learned_costs
-
-    prompt = prompt_of(qwen3)
-    plain = generate(qwen3, prompt, max_tokens=40, sampler=GREEDY, ctx=CTX, stop_ids=()).run()
-    truth = prompt + plain.tokens
-    shared = learned_costs(qwen3, ECON)
-    assert learned_costs(qwen3, ECON) is shared and learned_costs(qwen3, SpecOptions()) is not shared
-    gens = []
-    for clock in (True, True, time.perf_counter_ns):
-        src = ScriptedSource(perfect(truth))
-        src.evidence = lambda: "scripted"
-        g = generate_speculative(qwen3, prompt, max_tokens=40, sampler=GREEDY, ctx=CTX, stop_ids=(), source=src,
-                                 options=ECON, clock=clock)
-        assert g.run().tokens == plain.tokens
-        gens.append(g)
-    first, second, own = (g.decoder.gate for g in gens)
-    assert first.learned is shared and second.learned is shared and own.learned is not shared
-    assert shared.measured  # the perfect drafts were verified, and those steps timed
-    assert own.learned.measured and own.learned.measured is not shared.measured
-    # a gate started from the shared costs prices a measured width at its EWMA, not at the table
-    fresh, warm = CostGate(ECON), CostGate(ECON, shared)
-    fresh.note_plain_ns(1000.0), warm.note_plain_ns(1000.0)
-    rows, width = next(iter(shared.measured))
-    assert warm.step_cost(width, rows) == pytest.approx(max(shared.measured[rows, width],
-                                                            *[c for (r, w), c in shared.measured.items()
-                                                              if r == rows and w < width]))
-    assert fresh.step_cost(width, rows) != warm.step_cost(width, rows)
 
 
 def test_batch_steps_are_priced_from_the_batch_surface_then_a_model():

@@ -26,7 +26,6 @@ import collections
 import dataclasses
 import itertools
 import math
-import weakref
 
 from fucina_jax.checks import is_int, is_real
 from fucina_jax.errors import (
@@ -38,8 +37,7 @@ from fucina_jax.errors import (
 )
 from fucina_jax.speculative.cost_table import DEFAULT_TABLE_PATH, read_batch_costs, read_cost_points
 
-__all__ = ["CostPoint", "DEFAULT_BATCH_COSTS", "DEFAULT_COST_TABLE", "MAX_DRAFT", "SpecOptions", "CostGate", "LearnedCosts",
-           "learned_costs", "table_cost"]
+__all__ = ["CostPoint", "DEFAULT_BATCH_COSTS", "DEFAULT_COST_TABLE", "MAX_DRAFT", "SpecOptions", "CostGate", "table_cost"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,33 +188,6 @@ def table_cost(table: tuple[CostPoint, ...], draft_len: int) -> float:
 _Entry = collections.namedtuple("_Entry", "committed accepted drafted cost")
 
 
-@dataclasses.dataclass
-class LearnedCosts:
-    """What has been measured of one model's step costs, as ratios to its plain step (so they carry across requests
-    of other lengths): the one-row table's live rescale, and each (batch rows, width) step's EWMA. The gates given
-    one object learn into it together: a process's one-shot requests on a model do not each start from the shipped
-    table (another model's, another machine's) and relearn every width (`learned_costs`)."""
-
-    cost_scale: float = 1.0
-    measured: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
-    # batch rows -> [(measured width, the highest cost measured up to it)], narrowest first (CostGate.step_cost)
-    ladders: dict[int, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
-
-
-_LEARNED: dict[tuple, LearnedCosts] = {}
-
-
-def learned_costs(model, options: SpecOptions) -> LearnedCosts:
-    """The process's LearnedCosts of `model` under `options`' cost table (the rescale is relative to it), kept while
-    the model lives."""
-    key = (id(model), options.cost_table, options.batch_costs)
-    got = _LEARNED.get(key)
-    if got is None:
-        got = _LEARNED[key] = LearnedCosts()
-        weakref.finalize(model, _LEARNED.pop, key, None)
-    return got
-
-
 class CostGate:
     """The gate's state machine: "on" -> "off" (after a losing window) -> "probing" -> "on" or "off" again.
 
@@ -229,35 +200,25 @@ class CostGate:
     SCALE_MIN = 0.25
     SCALE_MAX = 4.0
 
-    def __init__(self, options: SpecOptions = SpecOptions(), learned: LearnedCosts | None = None):
+    def __init__(self, options: SpecOptions = SpecOptions()):
         self.options = options.validate()
-        self.learned = learned if learned is not None else LearnedCosts()  # the cost model's measurements
         self.state = "on"
         self.backoff = options.reprobe_after  # disabled steps before the next probe
         self.off_steps = 0
         self.probe_left = 0
         self.plain_ns = 0.0  # EWMA of the plain step time
         self.plain_samples = 0
+        self.cost_scale = 1.0  # live rescale of the static table
         # decision counts, for the statistics
         self.trips = 0  # on -> off
         self.probes = 0  # re-probes started
         self.probes_passed = 0
         self.probes_failed = 0
-        self._measured = self.learned.measured  # (batch rows, width) -> measured cost in plain steps
-        self._ladders = self.learned.ladders
+        self._measured: dict[tuple[int, int], float] = {}  # (batch rows, width) -> measured cost in plain steps
         self._plain_by_rows: dict[int, float] = {}  # batch rows stepped -> EWMA of that plain step's time
         self._batch_costs = {(r, w): c for r, w, c in options.batch_costs}
         self._window: collections.deque[_Entry] = collections.deque(maxlen=options.rate_window)
         self._reset_window()
-
-    @property
-    def cost_scale(self) -> float:
-        """The live rescale of the static table (LearnedCosts.cost_scale)."""
-        return self.learned.cost_scale
-
-    @cost_scale.setter
-    def cost_scale(self, value: float) -> None:
-        self.learned.cost_scale = value
 
     # ---- the decoder's calls ------------------------------------------------------------------------
 
@@ -316,19 +277,11 @@ class CostGate:
         near miss is tried, and measured, once."""
         if width <= 1:
             return 1.0
-        # a step never costs less than a narrower one of the same batch: a width measured (or modelled) below a
-        # narrower width's measured cost is priced at that (a noisy sample must not make width 4 look cheaper than
-        # width 2, which then verifies weak drafts at the wider width)
-        floor = 1.0
-        for w, high in self._ladders.get(rows, ()):
-            if w >= width:
-                break
-            floor = high
         measured = self._measured.get((rows, width))
         if measured is not None:
-            return max(measured, floor)
+            return measured
         base = self.modelled_cost(width, rows)
-        return max(base * (1.0 - self.UNMEASURED_DISCOUNT), floor) if self.plain_samples else max(base, floor)
+        return max(base * (1.0 - self.UNMEASURED_DISCOUNT), 1.0) if self.plain_samples else base
 
     def single_stream_cost(self, tokens: int) -> float:
         """C_1(T): one row's step over T token rows, in its plain steps: the table times the live scale, extended
@@ -386,12 +339,6 @@ class CostGate:
         old = self._measured.get((rows, width))
         self._measured[rows, width] = sample if old is None else \
             self.SCALE_ALPHA * sample + (1 - self.SCALE_ALPHA) * old
-        # this batch's measured widths, narrowest first, each with the highest cost measured up to it (step_cost)
-        ladder, high = [], 1.0
-        for w in sorted(w for r, w in self._measured if r == rows):
-            high = max(high, self._measured[rows, w])
-            ladder.append((w, high))
-        self._ladders[rows] = ladder
 
     def record_verify(self, committed: int, accepted: int, drafted: int, cost: float) -> None:
         """Add one verify's outcome to the window and run the decision."""
