@@ -700,10 +700,7 @@ class Decoder:
         """Append the outcome to the row's stream, count it in the row's statistics (a step's; not the first token)
         and decide whether the row is done: the stop rules, here only."""
         k = len(o.committed)
-        if k == 1:
-            row.stream[row.n] = o.committed[0]
-            row.n += 1
-        elif k:
+        if k:
             row.stream[row.n : row.n + k] = o.committed
             row.n += k
         if count:

@@ -257,9 +257,8 @@ class SpeculationIndex:
             self._stream[self._n : n_after] = toks
             self._n = n_after
         self._topk_budget = k
-        if self._n_muted():
-            for src in self._sources():
-                src.maybe_reprobe(self._n)
+        for src in self._sources():
+            src.maybe_reprobe(self._n)
 
     def observe_topk(self, rows: np.ndarray) -> None:
         """Top-K rows aligned with the last committed tokens (see `DraftSource.observe_topk`)."""
@@ -423,11 +422,6 @@ class SpeculationIndex:
     def _tail(self, m: int) -> np.ndarray:
         """The last m committed tokens (the output matcher re-walks them after the output index changes)."""
         return self._stream[max(0, self._n - m) : self._n]
-
-    def _n_muted(self) -> int:
-        n = self._src_conversation.muted_until >= 0 or self._src_outputs.muted_until >= 0 or \
-            self._src_recycling.muted_until >= 0
-        return n or any(src.muted_until >= 0 for src in self._src_references)
 
     def _sources(self) -> list[_Source]:
         tail = [self._src_outputs] if self._outputs is not None else []
