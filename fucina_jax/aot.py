@@ -90,11 +90,14 @@ BACKGROUND: collections.Counter = collections.Counter()
 _local = threading.local()  # .background: this thread is the background preparer
 
 
+_EVENTS = [0]  # sum(TRACED.values()) + sum(LOADED.values()), kept as they count (the decoder reads it every step)
+
+
 def events() -> int:
     """sum(TRACED.values()) + sum(LOADED.values()): a change in it across a call means that call traced or loaded a
     program. A call that compiles a trace made before it (by `step.lower(...)` or `step.trace(...)` with the same
     arguments) does not move it: bring a program in ahead with `Step.prepare`."""
-    return sum(TRACED.values()) + sum(LOADED.values())
+    return _EVENTS[0]
 
 
 def spec_of(x):
@@ -198,6 +201,7 @@ class Step:
         def counted(*args, **kwargs):
             if not getattr(_local, "background", False):
                 TRACED[name] += 1  # runs only while JAX traces
+                _EVENTS[0] += 1
             return fun(*args, **kwargs)
 
         self.jitted = jax.jit(counted, static_argnames=static_argnames, donate_argnames=donate_argnames)
@@ -330,6 +334,7 @@ class Step:
             if exe is not None:
                 if not getattr(_local, "background", False):
                     LOADED[self.name] += 1
+                    _EVENTS[0] += 1
                 return exe
         lowered = self.jitted.trace(*tree.unflatten(leaves), **dict(static)).lower()
         if not key_path:

@@ -87,9 +87,10 @@ VerifyRowHook = Callable[[int, int, np.ndarray], None]
 # ---- the accept rule ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Outcome:
-    """What one row commits in one step."""
+    """What one row commits in one step (a value: nothing changes one after it is made; not frozen, since a frozen
+    dataclass's __init__ costs twice as much, and every row of every step makes one)."""
 
     committed: tuple[int, ...]
     stopped: bool  # a stop id was sampled right after `committed` (not committed)
@@ -284,6 +285,11 @@ class Row:
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     reused: int = 0  # prompt ids the row found in the cache when it started (a chat's earlier turns)
     finish: str | None = None  # why the row stopped (a STOP_REASONS value); None while it decodes
+    context: np.ndarray = dataclasses.field(init=False, repr=False)  # a read-only view of stream (the sources')
+
+    def __post_init__(self) -> None:
+        self.context = self.stream.view()
+        self.context.flags.writeable = False  # the contract says sources must not modify it: make that loud
 
     @property
     def generated(self) -> list[int]:
@@ -354,6 +360,7 @@ class Decoder:
         self._cap = 0  # the sampler's static candidate cap: the widest any row needs (any cap gives the same tokens)
         self._window = 0  # the history window: the longest any row needs (each row cuts it to its own)
         self._buf = np.zeros(MAX_DRAFT, np.int32)  # sources draft into this
+        self._buf_views = [self._buf[:n] for n in range(MAX_DRAFT + 1)]  # its first n slots (kept: a slice costs)
         self._blanks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (rows, width) -> (toks, drafts)
         self._program_keys: dict = {}  # (rows, width, ...) -> the step program's key, for _ready
         self._fresh = [False] * self.B  # rows begun whose first token first() has not sampled yet
@@ -506,7 +513,7 @@ class Decoder:
         # b -> (tokens [m], parent rows [m] (0: the root), its chain's nodes in it, the step row of the chain's first
         # node or -1) of a row verified as a tree
         trees = {}
-        firsts = {b: int(x[0]) for b, x in drafts.items()}  # each draft's first token, before any cut
+        firsts = {b: int(x[0]) for b, x in drafts.items()} if drafts else {}  # each draft's first, before any cut
         if economics and drafts:
             chosen, drafts, keys, shadow, trees = self._weigh(active, drafts, siblings, limits)
         else:
@@ -558,14 +565,15 @@ class Decoder:
             raise
         self._n_pushed = np.zeros(self.B, np.int32)  # pushed: until this step commits, nothing is pending
         sampled = np.asarray(sampled_dev)
+        picks = sampled.tolist()  # every row's samples as Python ints, in one call
         out: list[Outcome | None] = [None] * self.B
         for b in active:
             if b in trees:
                 m = trees[b][0].size
-                out[b] = accept_tree(sampled[at[b]], toks[at[b], : m + 1], parents[at[b], : m + 1], rows[b].stops,
+                out[b] = accept_tree(picks[at[b]], toks[at[b], : m + 1], parents[at[b], : m + 1], rows[b].stops,
                                      limits[b])
             else:
-                out[b] = accept(sampled[at[b]], drafts.get(b, ()), rows[b].stops, limits[b])
+                out[b] = accept(picks[at[b]], drafts.get(b, ()), rows[b].stops, limits[b])
         if trees:
             self._compact(out, order, start)
         step_ns = self.clock() - t0 if self.clock and aot.events() == events else None
@@ -701,7 +709,10 @@ class Decoder:
         and decide whether the row is done: the stop rules, here only."""
         k = len(o.committed)
         if k:
-            row.stream[row.n : row.n + k] = o.committed
+            if k == 1:  # a scalar store costs a fraction of a sequence's (NumPy converts the tuple first)
+                row.stream[row.n] = o.committed[0]
+            else:
+                row.stream[row.n : row.n + k] = o.committed
             row.n += k
         if count:
             row.stats.record(o)
@@ -716,7 +727,7 @@ class Decoder:
         src = row.source
         if src is None or not o.committed:
             return
-        src.observe(np.asarray(o.committed, np.int32))
+        src.observe(row.context[row.n - len(o.committed) : row.n])  # committed: the stream's newest ids
         if topk_rows is not None and getattr(src, "wants_topk", False):
             # one row per committed id, in order (DraftSource.observe_topk); rejected rows are not passed
             src.observe_topk(topk_rows[: len(o.committed)])
@@ -834,16 +845,13 @@ class Decoder:
                                 sum(out[b].drafted for b in active), cost)
 
     def _suggest(self, b: int, row: Row, max_draft: int) -> int:
-        context = row.stream[: row.n]
-        context.flags.writeable = False  # the contract says sources must not modify it: make that loud
-        buf = self._buf[:max_draft]
-        n = row.source.suggest(context, buf)
+        n = row.source.suggest(row.context[: row.n], self._buf_views[max_draft])
         who = "the draft source" if self.B == 1 else f"the draft source of row {b}"
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= max_draft:
             raise DraftSourceError(f"{who} returned length {n!r}; it must be an int in [0, {max_draft}]")
         n = int(n)
         if n:
-            ids = buf[:n].tolist()  # at most max_draft ids: list min/max beat two NumPy reductions
+            ids = self._buf[:n].tolist()  # at most max_draft ids: list min/max beat two NumPy reductions
             lo, hi = min(ids), max(ids)
             V = self.model.config.n_vocab
             if lo < 0 or hi >= V:

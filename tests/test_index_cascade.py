@@ -39,11 +39,15 @@ def test_is_a_draft_source_and_wants_topk_only_with_recycling():
 def test_bad_tokens_are_rejected_before_any_source_changes():
     ix = SpeculationIndex(V)
     ix.observe(arr(1, 2, 3))
-    for bad in (arr(4, V), arr(-1), np.zeros((2, 2), np.int32), np.array([1.5])):
+    # int32 arrays take a fast path (the decoder's): every shape but 1-D is refused there as elsewhere
+    for bad in (arr(4, V), arr(-1), np.zeros((2, 2), np.int32), np.zeros((0, 2), np.int32), np.int32(5),
+                np.array([1.5]), np.array([True]), np.array([4, V], np.int64), np.array([1, "a"], object)):
         with pytest.raises(DraftIndexError):
             ix.observe(bad)
     assert ix.n_committed == 3 and ix.stream().tolist() == [1, 2, 3]
     ix.observe([])  # an empty slice is fine
+    ix.observe(np.array([4, 5], np.int64))  # so are other integer types
+    assert ix.stream().tolist() == [1, 2, 3, 4, 5]
     with pytest.raises(DraftIndexError):
         SpeculationIndex(0)
 

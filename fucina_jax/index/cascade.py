@@ -45,6 +45,9 @@ from fucina_jax.index.sam import SuffixAutomaton
 
 __all__ = ["CascadePolicy", "SourceStats", "SpeculationIndex"]
 
+_NEVER = 1 << 62  # a committed count no stream reaches
+_INT32 = np.dtype(np.int32)
+
 
 @dataclasses.dataclass(frozen=True)
 class CascadePolicy:
@@ -106,7 +109,8 @@ class _Source:
         self.drafted += drafted
         self.accepted += accepted
         w = self.window
-        for outcome in [1] * accepted + [0] * (decided - accepted):
+        for i in range(decided):
+            outcome = 1 if i < accepted else 0
             if len(w) == w.maxlen:
                 self.window_sum -= w[0]
             w.append(outcome)
@@ -169,6 +173,8 @@ class SpeculationIndex:
         self._src_recycling = _Source("recycling", policy.mute_window)
         self._stream = np.zeros(1024, dtype=np.int32)  # [capacity] committed tokens; the first _n are live
         self._n = 0
+        self._last = -1  # the newest committed id (-1: none yet), where the recycling chain starts
+        self._reprobe_at = _NEVER  # the earliest committed count at which a muted source is re-probed
         self._pending: tuple[_Source, list[int]] | None = None  # the last draft, awaiting its verdict
         self._evidence = "none"  # what the last draft rests on (evidence())
         self._topk_budget = 0  # rows observe_topk may still take: the size of the latest observed slice
@@ -181,42 +187,49 @@ class SpeculationIndex:
 
     def suggest(self, context: np.ndarray, buf: np.ndarray) -> int:
         """Draft into buf[:n]; returns n. `context` is not read: the committed stream arrives via observe."""
+        # Every step of every row runs this right after a forward has streamed the weights through the caches, so
+        # each object it touches is a cache miss: it reads plain attributes and builds nothing it can skip.
         self._pending = None
         limit = len(buf)
         if limit <= 0:
             return 0
         p = self.policy
+        min_match = p.min_match
         # (match_len, source order, index or cursor, accounting); conversation is order 0
-        candidates = []
-        if not self._src_conversation.muted:
+        candidates = None
+        src = self._src_conversation
+        if src.muted_until < 0:
             length = self._conversation.match_len
-            if length >= p.min_match:
-                candidates.append((length, 0, self._conversation, self._src_conversation))
-        for order, (cursor, src) in enumerate(zip(self._cursors, self._src_references), start=1):
-            if not src.muted:
-                length = cursor.match_len
-                if length >= p.min_match:
-                    candidates.append((length, order, cursor, src))
+            if length >= min_match:
+                candidates = [(length, 0, self._conversation, src)]
+        if self._cursors:
+            for order, (cursor, src) in enumerate(zip(self._cursors, self._src_references), start=1):
+                if src.muted_until < 0:
+                    length = cursor.match_len
+                    if length >= min_match:
+                        candidates = (candidates or []) + [(length, order, cursor, src)]
         matcher = self._matcher
-        if matcher is not None and not self._src_outputs.muted:
+        if matcher is not None and self._src_outputs.muted_until < 0:
             length = matcher.match_len
-            if length >= p.min_match:
-                candidates.append((length, len(self._cursors) + 1, matcher, self._src_outputs))
-        candidates.sort(key=lambda c: (-c[0], c[1]))  # longest first; ties keep conversation/add order
-        for length, _, index, src in candidates:
-            # a reference match that ends its document has no continuation: try the next candidate (and the
-            # outputs' draft may stop at once on a weak continuation)
-            budget = min(p.beta * (1 + length), limit)
-            if index is matcher:
-                n = matcher.draft(buf, budget, min_count=p.outputs_min_count, min_prob=p.outputs_min_prob)
-            else:
-                n = index.draft(buf, budget)
-            if n > 0:
-                self._pending = (src, buf[:n].tolist())
-                self._evidence = f"{src.name}:{match_bucket(length)}"
-                return n
-        if self._recycling is not None and not self._src_recycling.muted and self._n > 0:
-            n = self._recycling.draft(int(self._stream[self._n - 1]), buf, min(p.recycling_cap, limit))
+            if length >= min_match:
+                candidates = (candidates or []) + [(length, len(self._cursors) + 1, matcher, self._src_outputs)]
+        if candidates:
+            if len(candidates) > 1:
+                candidates.sort(key=lambda c: (-c[0], c[1]))  # longest first; ties keep conversation/add order
+            for length, _, index, src in candidates:
+                # a reference match that ends its document has no continuation: try the next candidate (and the
+                # outputs' draft may stop at once on a weak continuation)
+                budget = min(p.beta * (1 + length), limit)
+                if index is matcher:
+                    n = matcher.draft(buf, budget, min_count=p.outputs_min_count, min_prob=p.outputs_min_prob)
+                else:
+                    n = index.draft(buf, budget)
+                if n > 0:
+                    self._pending = (src, buf[:n].tolist())
+                    self._evidence = f"{src.name}:{match_bucket(length)}"
+                    return n
+        if self._recycling is not None and self._src_recycling.muted_until < 0 and self._last >= 0:
+            n = self._recycling.draft(self._last, buf, min(p.recycling_cap, limit))
             if n > 0:
                 self._pending = (self._src_recycling, buf[:n].tolist())
                 self._evidence = "recycling"
@@ -225,16 +238,19 @@ class SpeculationIndex:
 
     def observe(self, committed: np.ndarray) -> None:
         """Feed newly committed tokens to every source (muted ones included) and settle the pending draft."""
-        toks = self._check_tokens(committed, "committed tokens")
-        ids = toks.tolist()
+        toks, ids = self._checked(committed, "committed tokens")
         k = len(ids)
         n_after = self._n + k
         if self._pending is not None:
             src, draft = self._pending  # draft: a list of ids
             self._pending = None
             m = min(len(draft), k)
-            accepted = next((i for i in range(m) if draft[i] != ids[i]), m)
+            accepted = 0
+            while accepted < m and draft[accepted] == ids[accepted]:
+                accepted += 1
             src.record(len(draft), accepted, min(accepted + 1, m), self.policy, n_after)
+            if 0 <= src.muted_until < self._reprobe_at:
+                self._reprobe_at = src.muted_until
         if k:
             if not self._conversation.poisoned:
                 try:
@@ -248,17 +264,24 @@ class SpeculationIndex:
             if self._output_start < 0:  # the first slice observed is the prompt
                 self._output_start = n_after
             if self._recycling is not None:
-                prev = int(self._stream[self._n - 1]) if self._n else -1
-                self._recycling.observe(prev, ids)
+                self._recycling.observe(self._last, ids)
             if n_after > len(self._stream):
                 grown = np.zeros(max(2 * len(self._stream), n_after), dtype=np.int32)
                 grown[: self._n] = self._stream[: self._n]
                 self._stream = grown
-            self._stream[self._n : n_after] = toks
+            if k == 1:
+                self._stream[self._n] = ids[0]
+            else:
+                self._stream[self._n : n_after] = toks
             self._n = n_after
+            self._last = ids[-1]
         self._topk_budget = k
-        for src in self._sources():
-            src.maybe_reprobe(self._n)
+        if n_after >= self._reprobe_at:  # a muted source's time is up: re-probe it
+            self._reprobe_at = _NEVER
+            for src in self._sources():
+                src.maybe_reprobe(n_after)
+                if 0 <= src.muted_until < self._reprobe_at:
+                    self._reprobe_at = src.muted_until
 
     def observe_topk(self, rows: np.ndarray) -> None:
         """Top-K rows aligned with the last committed tokens (see `DraftSource.observe_topk`)."""
@@ -295,7 +318,7 @@ class SpeculationIndex:
                 f"at most {self.policy.max_references} reference documents per conversation; "
                 "call clear_references() first"
             )
-        toks = self._check_tokens(tokens, "reference tokens")
+        toks, _ = self._checked(tokens, "reference tokens")
         if len(toks) == 0:
             raise DraftIndexError("the reference document is empty (did its tokenization fail?)")
         sam = SuffixAutomaton.reference(toks)
@@ -346,7 +369,7 @@ class SpeculationIndex:
             return []
         first = int(self._pending[1][0])
         out = []
-        for rank, t in enumerate(self._recycling.row(int(self._stream[self._n - 1])).tolist()):
+        for rank, t in enumerate(self._recycling.row(self._last).tolist()):
             if t >= 0 and t != first:
                 out.append((t, f"sibling{rank}"))
                 if len(out) == k:
@@ -428,15 +451,21 @@ class SpeculationIndex:
         tail += [self._src_recycling] if self._recycling is not None else []
         return [self._src_conversation, *self._src_references, *tail]
 
-    def _check_tokens(self, tokens, what: str) -> np.ndarray:
+    def _checked(self, tokens, what: str) -> tuple[np.ndarray, list[int]]:
+        """(the tokens as int32, as a list of ids), checked: a 1-D integer array of ids in the vocabulary."""
         a = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
-        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        if a.dtype is _INT32:  # the decoder's ids: a 1-D array is one whose tolist() is a list of ints
+            ids = a.tolist()
+            shaped = type(ids) is list and (type(ids[0]) is int if ids else a.ndim == 1)
+        else:
+            shaped = a.ndim == 1 and (a.size == 0 or a.dtype.kind in "iu")
+            ids = a.tolist() if shaped else []
+        if not shaped:
             raise DraftIndexError(f"{what} must be a 1-D integer array; got shape {a.shape} dtype {a.dtype}")
-        lo, hi = _min_max(a)
-        if lo < 0 or hi >= self.vocab_size:
-            bad = a[(a < 0) | (a >= self.vocab_size)][0]
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise DraftIndexError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return a.astype(np.int32, copy=False)
+        return (a if a.dtype is _INT32 else a.astype(np.int32)), ids
 
 
 def _min_max(a: np.ndarray) -> tuple[int, int]:

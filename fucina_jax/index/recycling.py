@@ -31,7 +31,10 @@ class RecyclingMatrix:
         if vocab_size <= 0 or k <= 0:
             raise DraftIndexError(f"the recycling matrix needs vocab_size > 0 and k > 0; got {vocab_size}, {k}")
         self.table = np.full((vocab_size, k), SENTINEL, dtype=np.int32)  # [V, K] token ids, best first
-        self._top1 = self.table[:, 0]  # view: the chain walk reads only the first column
+        # The table as a flat memoryview: the per-token updates and the chain walk index it with Python ints, which
+        # costs a fraction of a NumPy index right after a forward, when every instruction is a cache miss.
+        self._flat = memoryview(self.table.reshape(-1))
+        self._k = k
 
     @property
     def vocab_size(self) -> int:
@@ -51,13 +54,13 @@ class RecyclingMatrix:
 
     def move_to_front(self, a: int, b: int) -> None:
         """Committed bigram (a, b): b becomes row a's first candidate; the others keep their order."""
-        row = self.table[a]
-        old = row.tolist()  # K is small: list operations beat NumPy calls here
-        if old[0] == b:
+        flat, base = self._flat, a * self._k
+        if flat[base] == b:
             return
-        k = old.index(b) if b in old else self.k - 1  # absent: the last candidate drops out
-        row[1 : k + 1] = old[:k]
-        row[0] = b
+        row = flat[base : base + self._k].tolist()
+        k = row.index(b) if b in row else len(row) - 1  # absent: the last candidate drops out
+        flat[base + 1 : base + k + 1] = flat[base : base + k]  # memoryview copies overlap like memmove
+        flat[base] = b
 
     def observe(self, prev: int, committed) -> None:
         """Move-to-front for the bigrams (prev, c0), (c0, c1), ...; prev < 0: the stream starts here. committed:
@@ -70,19 +73,30 @@ class RecyclingMatrix:
 
     def observe_topk(self, prev: np.ndarray, nxt: np.ndarray, rows: np.ndarray) -> None:
         """Position by position: row prev[j] := rows[j] (padded with SENTINEL), then move nxt[j] to front."""
-        width = min(rows.shape[1], self.k)
-        for a, b, cand in zip(prev.tolist(), nxt.tolist(), rows):
-            self.table[a, :width] = cand[:width]
-            self.table[a, width:] = SENTINEL
-            self.move_to_front(a, b)
+        K = self._k
+        width = min(rows.shape[1], K)
+        flat = self._flat
+        for a, b, cand in zip(prev.tolist(), nxt.tolist(), rows[:, :width].tolist()):
+            if b in cand:  # move-to-front on the new row, then write it
+                i = cand.index(b)
+                cand = [b, *cand[:i], *cand[i + 1 :]]
+            else:
+                cand = [b, *cand[: K - 1]]
+            cand += [SENTINEL] * (K - len(cand))
+            base = a * K
+            for j, t in enumerate(cand):
+                flat[base + j] = t
 
     def draft(self, last: int, buf: np.ndarray, limit: int) -> int:
         """Top-1 chain from `last` into buf[:n]; stops at an unseen row. Chains may cycle (a -> b -> a)."""
-        top1 = self._top1
+        flat, k = self._flat, self._k
         t = int(last)
-        for j in range(min(limit, len(buf))):
-            t = int(top1[t])
+        chain = []
+        for _ in range(min(limit, len(buf))):
+            t = flat[t * k]
             if t < 0:
-                return j
-            buf[j] = t
-        return min(limit, len(buf))
+                break
+            chain.append(t)
+        if chain:
+            buf[: len(chain)] = chain
+        return len(chain)
