@@ -514,8 +514,11 @@ class Decoder:
         # node or -1) of a row verified as a tree
         trees = {}
         firsts = {b: int(x[0]) for b, x in drafts.items()} if drafts else {}  # each draft's first, before any cut
+        # The step's rows: every cache row, or (a batch with rows not decoding) only the active ones, padded to a
+        # row bucket with other rows, which are computed and never looked at (engine.decode_sample_rows_step).
+        n_step = engine.row_bucket(len(active), self.B) if self.B > 1 else 1
         if economics and drafts:
-            chosen, drafts, keys, shadow, trees = self._weigh(active, drafts, siblings, limits)
+            chosen, drafts, keys, shadow, trees = self._weigh(active, n_step, drafts, siblings, limits)
         else:
             shadow = {}
         for b in active:
@@ -525,9 +528,6 @@ class Decoder:
                 rows[b].stats.fallback_steps += 1
         # the economics' width (a ready program's: the drafts may be shorter), else the longest draft's bucket
         width = chosen or engine.bucket_for(1 + max((len(x) for x in drafts.values()), default=0), engine.STEP_WIDTHS)
-        # The step's rows: every cache row, or (a batch with rows not decoding) only the active ones, padded to a
-        # row bucket with other rows, which are computed and never looked at (engine.decode_sample_rows_step).
-        n_step = engine.row_bucket(len(active), self.B)
         order = list(range(self.B)) if n_step == self.B else \
             active + [b for b in range(self.B) if b not in active][: n_step - len(active)]
         at = {b: i for i, b in enumerate(order)}
@@ -677,7 +677,7 @@ class Decoder:
         long-lived decoder): a one-shot run on a cold process would spend its few hundred steps plainly while its
         programs compile beside it, so it compiles a width inline at its first use, excluded from the rates; and
         without a clock (the tests, a replay) every width is ready."""
-        if not self.background_compile or self.clock is None or self.steps is not engine:
+        if self._all_ready():
             return True
         sig = (n_step, width, wants_topk, tree, self._cap, self._window, self.cache.capacity)
         known = self._program_keys.get(sig)
@@ -688,6 +688,10 @@ class Decoder:
             return True
         aot.PREPARER.submit(*self._program(n_step, width, wants_topk, tree))
         return False
+
+    def _all_ready(self) -> bool:
+        """Every step program counts as ready (see _ready): no background compiles, no clock, or other steps."""
+        return not self.background_compile or self.clock is None or self.steps is not engine
 
     def _program(self, n_step: int, width: int, wants_topk: bool, tree: bool = False):
         """(the step, its program key, its arguments, its keywords) of a step of (n_step rows, width) (a tree
@@ -732,7 +736,7 @@ class Decoder:
             # one row per committed id, in order (DraftSource.observe_topk); rejected rows are not passed
             src.observe_topk(topk_rows[: len(o.committed)])
 
-    def _weigh(self, active: list[int], drafts: dict, siblings: dict, limits: dict):
+    def _weigh(self, active: list[int], n_step: int, drafts: dict, siblings: dict, limits: dict):
         """The "economics" policy: the step width with the best expected tokens per unit of measured time for these
         drafts (speculative/economics.py), among the widths whose program is ready (_ready). Returns (that width,
         the drafts cut to it, each verified row's evidence key, for each row whose draft is not verified (key,
@@ -764,9 +768,11 @@ class Decoder:
             order = sorted(range(len(toks)), key=lambda i: (-prob[i], i))[: max(limits[b] - 1, 0)]
             nodes[b] = (order, toks, par)
             ranked.append(prob[order])
-        n_step = engine.row_bucket(len(active), self.B)
         wants_topk = any(getattr(self.rows[b].source, "wants_topk", False) for b in drafts)
-        widths = [w for w in engine.STEP_WIDTHS if w == 1 or self._ready(n_step, w, wants_topk)]
+        if self._all_ready():
+            widths = engine.STEP_WIDTHS
+        else:
+            widths = [w for w in engine.STEP_WIDTHS if w == 1 or self._ready(n_step, w, wants_topk)]
         width, value = choose_width(ranked, widths, lambda w: self.gate.step_cost(w, n_step),
                                     self.options.min_gain)
         self.widths[width] = self.widths.get(width, 0) + 1

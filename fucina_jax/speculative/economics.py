@@ -57,11 +57,17 @@ class AcceptanceModel:
         self.window = window
         self._cells: dict[Hashable, list[list[float]]] = {}  # key -> per depth bucket [accepted, rejected]
         self._chains: dict[Hashable, list[float]] = {}  # key -> cumulative(key), until its counts change
+        self._priors: dict[Hashable, float] = {}  # key -> key_prior(key), kept (it parses the key)
 
     def _p(self, key: Hashable) -> list[float]:
         """The estimate per depth bucket."""
         cells = self._cells.get(key)
-        above = key_prior(key) if self.prior_mean is None else self.prior_mean
+        if self.prior_mean is not None:
+            above = self.prior_mean
+        else:
+            above = self._priors.get(key)
+            if above is None:
+                above = self._priors[key] = key_prior(key)
         if cells is None:
             return [above] * len(DEPTH_BUCKETS)
         s = self.strength
