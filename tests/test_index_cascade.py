@@ -310,6 +310,16 @@ def test_observe_topk_rows_align_with_the_last_committed_tokens():
     with pytest.raises(DraftIndexError):
         fresh.observe(arr(1))
         fresh.observe_topk(np.array([[V, 0, 0, 0, 0, 0, 0, 0]]))
+    # int32 rows (the decoder's) take a fast path: fewer rows than committed ids align with the last ones, and
+    # every shape but 2-D is refused as for other dtypes
+    fresh.observe(arr(20, 21, 22))
+    fresh.observe_topk(np.array([[22, 30, 31, 32, 33, 34, 35, 36]], np.int32))  # 22 came after 21
+    assert fresh._recycling.row(21).tolist() == [22, 30, 31, 32, 33, 34, 35, 36]
+    for bad in (np.zeros(3, np.int32), np.zeros((1, 2, 8), np.int32), np.int32(3), np.zeros((1, 8)),
+                np.array([[V, 0]], np.int32), np.array([[-1, 0]], np.int32)):
+        fresh.observe(arr(5))
+        with pytest.raises(DraftIndexError):
+            fresh.observe_topk(bad)
 
 
 def test_simulated_decode_loop_accounting_and_recycling_learning():

@@ -87,7 +87,7 @@ class SourceStats:
 class _Source:
     """Accounting for one source: totals, the rolling window, the mute deadline."""
 
-    __slots__ = ("name", "accepted", "drafted", "window", "window_sum", "muted_until")
+    __slots__ = ("name", "accepted", "drafted", "window", "window_sum", "muted_until", "_keys")
 
     def __init__(self, name: str, window: int) -> None:
         self.name = name
@@ -96,6 +96,15 @@ class _Source:
         self.window: collections.deque[int] = collections.deque(maxlen=window)  # 1 accepted, 0 rejected
         self.window_sum = 0
         self.muted_until = -1  # committed-token count at which a muted source is re-probed; -1: not muted
+        self._keys: dict[int, str] = {}  # match bucket -> evidence key
+
+    def key(self, match_len: int) -> str:
+        """The evidence key of a draft of this source on a match of match_len tokens: "name:bucket"."""
+        bucket = match_bucket(match_len)
+        key = self._keys.get(bucket)
+        if key is None:
+            key = self._keys[bucket] = f"{self.name}:{bucket}"
+        return key
 
     @property
     def muted(self) -> bool:
@@ -174,6 +183,7 @@ class SpeculationIndex:
         self._stream = np.zeros(1024, dtype=np.int32)  # [capacity] committed tokens; the first _n are live
         self._n = 0
         self._last = -1  # the newest committed id (-1: none yet), where the recycling chain starts
+        self._slice: tuple[int, list[int]] = (-1, [])  # the latest observed slice (see observe)
         self._reprobe_at = _NEVER  # the earliest committed count at which a muted source is re-probed
         self._pending: tuple[_Source, list[int]] | None = None  # the last draft, awaiting its verdict
         self._evidence = "none"  # what the last draft rests on (evidence())
@@ -226,7 +236,7 @@ class SpeculationIndex:
                     n = index.draft(buf, budget)
                 if n > 0:
                     self._pending = (src, buf[:n].tolist())
-                    self._evidence = f"{src.name}:{match_bucket(length)}"
+                    self._evidence = src.key(length)
                     return n
         if self._recycling is not None and self._src_recycling.muted_until < 0 and self._last >= 0:
             n = self._recycling.draft(self._last, buf, min(p.recycling_cap, limit))
@@ -274,6 +284,7 @@ class SpeculationIndex:
             else:
                 self._stream[self._n : n_after] = toks
             self._n = n_after
+            self._slice = (self._last, ids)  # (the id before the slice or -1, the slice's ids): observe_topk's
             self._last = ids[-1]
         self._topk_budget = k
         if n_after >= self._reprobe_at:  # a muted source's time is up: re-probe it
@@ -285,10 +296,17 @@ class SpeculationIndex:
 
     def observe_topk(self, rows: np.ndarray) -> None:
         """Top-K rows aligned with the last committed tokens (see `DraftSource.observe_topk`)."""
-        rows = np.asarray(rows)
-        if rows.ndim != 2 or (rows.size and rows.dtype.kind not in "iu"):
+        rows = rows if type(rows) is np.ndarray else np.asarray(rows)
+        if rows.dtype is _INT32:  # the decoder's rows: a 2-D array is one whose tolist() is a list of lists of ints
+            cand = rows.tolist()
+            shaped = type(cand) is list and (type(cand[0]) is list and (not cand[0] or type(cand[0][0]) is int)
+                                             if cand else rows.ndim == 2)
+        else:
+            shaped = rows.ndim == 2 and (rows.size == 0 or rows.dtype.kind in "iu")
+            cand = rows.tolist() if shaped else []
+        if not shaped:
             raise DraftIndexError(f"top-K rows must be a 2-D integer array [R, K]; got shape {rows.shape}")
-        r = rows.shape[0]
+        r = len(cand)
         if r > self._topk_budget:
             raise DraftIndexError(
                 f"observe_topk got {r} rows but only {self._topk_budget} tokens were committed by the "
@@ -297,13 +315,18 @@ class SpeculationIndex:
         self._topk_budget = 0
         if r == 0 or self._recycling is None:
             return
-        lo, hi = _min_max(rows)
-        if lo < 0 or hi >= self.vocab_size:
-            raise DraftIndexError(f"top-K candidate ids must be in [0, {self.vocab_size}); got {lo}..{hi}")
-        start = self._n - r  # stream position of the token rows[0] produced
-        if start == 0:  # the first token of the stream has no predecessor row to update
-            rows, start = rows[1:], 1
-        self._recycling.observe_topk(self._stream[start - 1 : self._n - 1], self._stream[start : self._n], rows)
+        if cand[0]:
+            lo, hi = min(map(min, cand)), max(map(max, cand))
+            if lo < 0 or hi >= self.vocab_size:
+                raise DraftIndexError(f"top-K candidate ids must be in [0, {self.vocab_size}); got {lo}..{hi}")
+        # rows[j] produced the j-th of the slice's last r ids; its row is the one of the id before that
+        before, ids = self._slice
+        seq = [before, *ids]
+        k = len(ids)
+        prev, nxt = seq[k - r : k], seq[k - r + 1 :]
+        if prev[0] < 0:  # the first token of the stream has no predecessor row to update
+            prev, nxt, cand = prev[1:], nxt[1:], cand[1:]
+        self._recycling.observe_topk(prev, nxt, cand)
 
     # ---- references and turn trimming ---------------------------------------------------------------
 
@@ -466,13 +489,3 @@ class SpeculationIndex:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise DraftIndexError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return (a if a.dtype is _INT32 else a.astype(np.int32)), ids
-
-
-def _min_max(a: np.ndarray) -> tuple[int, int]:
-    """(min, max) of an integer array, (0, 0) when empty; per-step slices are tiny, where lists are faster."""
-    if a.size == 0:
-        return 0, 0
-    if a.size <= 64:
-        flat = a.ravel().tolist()
-        return min(flat), max(flat)
-    return int(a.min()), int(a.max())

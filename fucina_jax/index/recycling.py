@@ -71,12 +71,15 @@ class RecyclingMatrix:
                 self.move_to_front(a, b)
             a = b
 
-    def observe_topk(self, prev: np.ndarray, nxt: np.ndarray, rows: np.ndarray) -> None:
-        """Position by position: row prev[j] := rows[j] (padded with SENTINEL), then move nxt[j] to front."""
+    def observe_topk(self, prev, nxt, rows) -> None:
+        """Position by position: row prev[j] := rows[j] (its first K, padded with SENTINEL), then move nxt[j] to
+        front. Int arrays or lists (rows: of lists)."""
         K = self._k
-        width = min(rows.shape[1], K)
         flat = self._flat
-        for a, b, cand in zip(prev.tolist(), nxt.tolist(), rows[:, :width].tolist()):
+        if isinstance(rows, np.ndarray):
+            prev, nxt, rows = np.asarray(prev).tolist(), np.asarray(nxt).tolist(), rows.tolist()
+        for a, b, cand in zip(prev, nxt, rows):
+            cand = cand[:K]
             if b in cand:  # move-to-front on the new row, then write it
                 i = cand.index(b)
                 cand = [b, *cand[:i], *cand[i + 1 :]]
