@@ -494,8 +494,11 @@ def _native() -> bytes:
 
 def _program_path(name: str, lowered) -> str:
     """`<function>-<fingerprint>.bin`: the executable of this lowered module and kernel build (the module text
-    carries no source locations, so an edit that leaves the module alone finds its program)."""
-    digest = hashlib.sha256(_platform() + _native() + lowered.as_text().encode()).hexdigest()[:32]
+    carries no source locations, so an edit that leaves the module alone finds its program), for these argument
+    shapes: the module drops the arguments a program does not use (a raw greedy pick never reads the penalty
+    history), so two signatures can lower to one text, and a program is called with the avals it was built for."""
+    avals = repr(lowered.in_avals).encode()
+    digest = hashlib.sha256(_platform() + _native() + avals + lowered.as_text().encode()).hexdigest()[:32]
     return os.path.join(_store(), f"{_short(name)}-{digest}.bin")
 
 

@@ -357,7 +357,8 @@ class Decoder:
         self._pushed = None  # the last step's samples [B, N] (device) and how many of each row's were committed:
         self._n_pushed = np.zeros(self.B, np.int32)  # the next step pushes them into the history, fused
         self._sparams = None  # SamplerParams with [B] leaves
-        self._cap = 0  # the sampler's static candidate cap: the widest any row needs (any cap gives the same tokens)
+        # the sampler's static candidate cap: the widest any row needs (SamplerConfig.candidate_cap)
+        self._cap = sampling.GREEDY_UNPENALIZED
         self._window = 0  # the history window: the longest any row needs (each row cuts it to its own)
         self._buf = np.zeros(MAX_DRAFT, np.int32)  # sources draft into this
         self._buf_views = [self._buf[:n] for n in range(MAX_DRAFT + 1)]  # its first n slots (kept: a slice costs)

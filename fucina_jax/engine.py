@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fucina_jax import aot, sampling
-from fucina_jax.models import forward_hidden, truncate, unembed
+from fucina_jax.models import forward_hidden, truncate, unembed, unembed_pick
 from fucina_jax.models.cache import KVCache, on_rows, on_tree
 from fucina_jax.models.config import ModelConfig
 
@@ -413,6 +413,13 @@ def decode_sample_rows_step(params, tokens: jax.Array, drafts: jax.Array, rows: 
     if parents is not None:
         cache = on_tree(cache, masks)
     h, cache = forward_hidden(params, tokens, in_pos, cache, cfg)
+    # Greedy with neutral penalties, and no hook wants the logits: the output layer's kernel picks each row's token
+    # (and its recycling candidates) without writing the logits out.
+    picked = unembed_pick(params, h, cfg, TOPK_FEEDBACK if wants_topk else 0) \
+        if cap == sampling.GREEDY_UNPENALIZED and not with_logits else None
+    if picked is not None:
+        sampled, topk = picked
+        return _padded(sampled), history, None, (topk if wants_topk else None), cache
     # one row: unembedded as [k, D], the shape a lone decode/verify row has always had (row-exact either way)
     logits = unembed(params, h[0], cfg)[None] if n == 1 else unembed(params, h, cfg)
     sampled = _sample(logits, in_pos + 1, step_history, drafts if k > 1 else None, step_sparams, cap)

@@ -59,6 +59,7 @@ __all__ = [
     "validated_config",
     "History",
     "TOP_K_OFF_CAP",
+    "GREEDY_UNPENALIZED",
     "history_from_tokens",
     "push_history",
     "row_windows",
@@ -82,6 +83,11 @@ _BATCH_BYTES = 8 << 20
 # survivors (e.g. top-k, top-p and min-p all off) costs a full sort: ~60 ms for a 262k vocab on one CPU core,
 # against ~1 ms for the top 1024.
 TOP_K_OFF_CAP = 1024
+
+# The candidate cap of a greedy config whose penalties leave every logit as it is (SamplerConfig.candidate_cap): the
+# token is the argmax of the raw logits, which the decoder's step may take in the output layer's kernel without
+# writing the logits out (engine.decode_sample_rows_step). 0 is the cap of a greedy config with penalties.
+GREEDY_UNPENALIZED = -1
 
 # Penalty windows up to this many slots count repeats pairwise ([R, H, H]); longer ones use a vocab histogram.
 _PAIRWISE_MAX_WINDOW = 256
@@ -122,6 +128,12 @@ class SamplerConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalties_neutral(self) -> bool:
+        """Whether the penalties sampler leaves every logit bitwise as it is (see penalize)."""
+        return self.repeat_last_n == 0 or (self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0
+                                           and self.presence_penalty == 0.0)
 
     def validate(self) -> SamplerConfig:
         """Check every value; return the config with a concrete seed (a random one when seed is None)."""
@@ -186,9 +198,11 @@ class SamplerConfig:
         compiled program), or TOP_K_OFF_CAP when top-k is off (rows whose survivors do not fit fall back to a
         full sort of the vocab). Any cap gives the same tokens; it only sets the cost. A greedy config
         (temperature <= 0) gets 0: the compiled step then holds only the argmax, not the sampling pipeline (whose
-        tracing and lowering alone take ~0.3 s at start-up)."""
+        tracing and lowering alone take ~0.3 s at start-up), or GREEDY_UNPENALIZED (-1) when its penalties are neutral
+        too: the argmax of the raw logits. Caps only widen (a decoder steps with the largest its rows need), and
+        every cap a config can be widened to gives its tokens."""
         if self.temperature <= 0.0:
-            return 0
+            return GREEDY_UNPENALIZED if self.penalties_neutral else 0
         if self.top_k <= 0:
             return min(int(n_vocab), TOP_K_OFF_CAP)
         return min(int(n_vocab), _pow2_at_least(self.top_k))
@@ -504,7 +518,7 @@ def _by_row(fn, logits, history, drafts, params, *extra):
 def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The survivors of penalties -> top-k -> top-p -> min-p for each row of logits [R, V], bool [R, V]."""
     V = logits.shape[-1]
-    cap = cap or min(V, TOP_K_OFF_CAP)  # a greedy config's cap (0) sorts nothing; the filters need candidates
+    cap = cap if cap > 0 else min(V, TOP_K_OFF_CAP)  # a greedy config's cap sorts nothing; the filters need some
 
     def row(penalised):
         def finish(vals, ids, n, split):
@@ -530,6 +544,8 @@ def sample_rows(
     history + drafts[:i] (drafts int32 [R]: drafts[i] is the proposal row i is checked against, so the last entry
     is never read; None = every row sees only `history`). `cap` = SamplerConfig.candidate_cap. Returns int32 [R]."""
     R, V = logits.shape
+    if cap == GREEDY_UNPENALIZED:  # greedy, penalties neutral (SamplerConfig.candidate_cap): the raw argmax
+        return greedy_pick(logits.astype(jnp.float32))
     if R * V * 4 > _BATCH_BYTES:
         return _sample_by_row(logits, positions, history, drafts, params, cap)
     if cap == 0:  # a greedy config (SamplerConfig.candidate_cap): only the argmax is compiled
@@ -566,7 +582,7 @@ def _sample_by_row(logits, positions, history, drafts, params, cap):
 
     def row(penalised, u):
         finish = partial(_draw, u=u, temperature=params.temperature)
-        if cap == 0:
+        if cap <= 0:  # greedy (GREEDY_UNPENALIZED: the penalties are neutral, penalised is the row itself)
             return greedy_pick(penalised)
         select = lambda: _select(lambda: _zeros_equal(penalised), penalised.shape[-1], params, cap, finish)
         return jax.lax.cond(params.temperature > 0.0, select, lambda: greedy_pick(penalised))
@@ -584,7 +600,7 @@ def sample_row(logits: jax.Array, position, history: History, params: SamplerPar
 def token_probs(logits, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The distribution each row is sampled from, float32 [R, V] (one-hot on the greedy pick for T <= 0)."""
     V = logits.shape[-1]
-    cap = cap or min(V, TOP_K_OFF_CAP)
+    cap = cap if cap > 0 else min(V, TOP_K_OFF_CAP)
 
     def row(penalised):
         def finish(vals, ids, n, split):

@@ -184,6 +184,17 @@ def test_in_process_calls_match_jit_whatever_changes_between_them(store_on):
     assert not (os.path.isdir(store) and any(f.name.startswith("_scaled-") for f in os.scandir(store)))
 
 
+def test_programs_that_drop_an_argument_are_kept_per_argument_shape(store_on):
+    """A program that never reads an argument lowers to the same module text whatever that argument's shape (the raw
+    greedy pick ignores the penalty history); each shape still runs a program built for its own avals."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((2, 50)), jnp.float32)
+    params = sampling.SamplerConfig(temperature=0).params()
+    for w in (64, 40, 64):
+        hist = sampling.history_from_tokens([1, 2, 3], w)
+        got = sampling.sample_rows(logits, jnp.arange(2), hist, None, params, cap=sampling.GREEDY_UNPENALIZED)
+        assert np.array_equal(np.asarray(got), np.argmax(np.asarray(logits), -1)), w
+
+
 def test_donation_is_kept(store_on):
     p = {"w": np.ones(4, np.float32), "b": np.zeros(1, np.float32)}
     acc = jax.device_put(np.zeros(4, np.float32))

@@ -7,6 +7,7 @@
 - the dispatch falls back when told to (env var in a fresh process, set_isa in this one);
 - the kernels' own workers and XLA's pool give the same bits, also with programs running at once;
 - embedding rows gathered from the packed codes == dequantized rows;
+- the output layer's fused pick (qlinear_pick) == the argmax and top-k of the product, bitwise;
 - the float kernel (F32, F16, BF16 weights): the file's values, kept in the file's type; kernel == a NumPy statement
   of its fixed float sequence, bit for bit, on every instruction set and for every row count.
 """
@@ -692,6 +693,45 @@ def test_selections_under_vmap():
     assert np.array_equal(np.asarray(jax.vmap(kernels.argmax)(x)), np.asarray(kernels.argmax(x)))
     got = jax.vmap(lambda r: kernels.top_k(r, 4)[1])(x)
     assert np.array_equal(np.asarray(got), np.asarray(jax.lax.top_k(x, 4)[1]))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q5_1], ids=lambda t: t.name)
+def test_fused_pick_is_the_argmax_and_top_k_of_the_product(qtype, each_isa):
+    """qlinear_pick == (argmax, top_k ids) of qlinear's values, bitwise, on every instruction set: row counts that
+    slice the columns differently, n not a multiple of 16, k from 0 to past a slice's width, equal logits in
+    different slices (duplicated weight rows: the lower id wins), an all-zero row (every logit equal) and rows
+    poisoned to NaN by a non-finite input."""
+    rng = np.random.default_rng(7)
+    n, k_in = 3001, (512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96)
+    raw = random_tensor(qtype, n, k_in, seed=3).reshape(n, -1)
+    pairs = [(5, 2900), (100, 101), (2000, 7), (3000, 1)]
+    for src, dst in pairs:  # equal rows -> equal logits
+        raw[dst] = raw[src]
+    w = qweight(raw.reshape(-1), qtype, (n, k_in))
+    assert w.n == n
+    # rows along a duplicated weight row: its two equal logits are (almost surely) the row's largest
+    along = dequantize(raw.reshape(-1), qtype, (n, k_in))[[src for src, _ in pairs]]
+    pick = jax.jit(kernels.qlinear_pick, static_argnums=2)
+    for isa in each_isa:
+        kernels.set_isa(isa)
+        for M in (1, 3, 16, 40):
+            x = rng.standard_normal((M, k_in)).astype(np.float32)
+            x[-len(along):] = along[-M:]
+            if M > 7:
+                x[1] = 0.0
+                x[2, 7] = np.inf if M > 16 else np.nan
+            y = _qlinear(jnp.asarray(x), w)
+            for k in (0, 1, 8, 40):
+                ids, top = pick(jnp.asarray(x), w, k)
+                where = (isa, M, k)
+                assert np.array_equal(np.asarray(ids), np.asarray(kernels.argmax(y))), where
+                assert top.shape == (M, k), where
+                if k:
+                    assert np.array_equal(np.asarray(top), np.asarray(jax.lax.top_k(y, k)[1])), where
+        zero = np.asarray(pick(jnp.zeros((1, k_in)), w, 8)[1])
+        assert zero.tolist() == [list(range(8))]  # all equal: the lowest ids, in order
+    with pytest.raises(ValueError, match="k = 3002"):
+        kernels.qlinear_pick(jnp.zeros((1, k_in)), w, n + 1)
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)

@@ -41,6 +41,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "parallel.h"
+#include "select.h"
 
 namespace ffi = xla::ffi;
 
@@ -707,6 +708,20 @@ void quantize_for(const float* x, int64_t M, int64_t K, const int64_t* rows, con
   act.make_corr(w.nsub, w.affine, w.zero);
 }
 
+// Weights whose group 0 is group g0 of w (an expert of a stack: its groups are contiguous).
+Weights from_group(const Weights& w, int64_t g0) {
+  Weights e = w;
+  e.q = w.q + g0 * w.nb * w.block_bytes();
+  if (w.kind == kScaleK) {
+    e.a = static_cast<const uint8_t*>(w.a) + g0 * (w.nb / 8) * w.kbytes();
+  } else {
+    const int64_t size = w.kind == kScaleF16 ? 2 : 4;
+    e.a = static_cast<const uint8_t*>(w.a) + w.base(g0) * size;
+    if (w.c) e.c = static_cast<const uint8_t*>(w.c) + w.base(g0) * size;
+  }
+  return e;
+}
+
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
                        ffi::AnyBuffer wa, ffi::AnyBuffer wc, ffi::ResultBuffer<ffi::F32> y, int64_t bs) {
   auto xd = x.dimensions();
@@ -729,18 +744,82 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// Weights whose group 0 is group g0 of w (an expert of a stack: its groups are contiguous).
-Weights from_group(const Weights& w, int64_t g0) {
-  Weights e = w;
-  e.q = w.q + g0 * w.nb * w.block_bytes();
-  if (w.kind == kScaleK) {
-    e.a = static_cast<const uint8_t*>(w.a) + g0 * (w.nb / 8) * w.kbytes();
-  } else {
-    const int64_t size = w.kind == kScaleF16 ? 2 : 4;
-    e.a = static_cast<const uint8_t*>(w.a) + w.base(g0) * size;
-    if (w.c) e.c = static_cast<const uint8_t*>(w.c) + w.base(g0) * size;
+
+// The output layer with the greedy pick and the recycling candidates fused in: for each row r of x [M, K],
+//     ids[r]     = fucina_argmax over the first n columns of row r of x . W^T (select.cc's rule), and
+//     top[r, :k] = the ids of fucina_top_k of the same n values, k largest first (no -0.0 fold),
+// where the values are those fucina_qmatmul computes, bit for bit. The [M, n] product is never written out: the
+// column groups are computed a slice at a time into a buffer that stays in cache and are selected from there, and
+// each slice's winners are merged in the selections' total order (key, then lower id), so the answer does not
+// depend on the slicing, the threads or the instruction set. A greedy step that no hook needs the logits of saves
+// writing, faulting in and re-reading M x n floats (M x 1 MiB at a 262k vocabulary).
+ffi::Error QMatmulSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                             ffi::AnyBuffer wa, ffi::AnyBuffer wc, ffi::ResultBuffer<ffi::S32> ids,
+                             ffi::ResultBuffer<ffi::S32> top, int64_t bs, int64_t n_pad, int64_t n, int64_t k) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("fucina_qmatmul_select: x must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = n_pad;
+  if (n < 1 || n > N || k < 0 || k > n)
+    return ffi::Error::InvalidArgument("fucina_qmatmul_select: n must be in [1, n_pad] and k in [0, n]");
+  if (static_cast<int64_t>(ids->element_count()) != M || static_cast<int64_t>(top->element_count()) != M * k)
+    return ffi::Error::InvalidArgument("fucina_qmatmul_select: outputs must be ids [M] and top [M, k]");
+  Weights w;
+  if (ffi::Error e = make_weights(wq, wa, wc, K, N, bs, &w); e.failure()) return e;
+  if (M == 0) return ffi::Error::Success();
+  Act act;
+  const int isa = current_isa();
+  quantize_for(x.typed_data(), M, K, nullptr, w, isa, act);
+  const GroupFn group = kIsas[isa].group;
+  const int64_t G = N / kLanes;
+  // Slices of column groups: about 64 KiB of products per slice (at least one group), so they stay in L2.
+  const int64_t per_slice = std::max<int64_t>(1, std::min<int64_t>(64, 1024 / std::max<int64_t>(M, 1)));
+  const int64_t S = (G + per_slice - 1) / per_slice;
+  using Entry = std::pair<int32_t, int32_t>;  // (total_key, column)
+  constexpr Entry kNone = {INT32_MIN, -1};    // a slice with nothing but NaNs
+  // Each chunk of slices keeps one running selection per row; its winners go to the entry of its first slice.
+  std::vector<Entry> best(S * M, kNone);
+  std::vector<Entry> tops(S * M * k, kNone);
+  fucina::parallel_for(pool, S, [&](int64_t s0, int64_t s1) {
+    std::vector<float> buf(M * per_slice * kLanes);
+    std::vector<fucina::TopKScan> scans(k ? M : 0);
+    for (auto& t : scans) t.reset(k, 0);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t g0 = s * per_slice, gs = std::min(G, g0 + per_slice) - g0, ldo = gs * kLanes;
+      const Weights ws = from_group(w, g0);
+      for (int64_t g = 0; g < gs; ++g) group(ws, g, act, 0, M, buf.data(), ldo);
+      const int64_t c0 = g0 * kLanes, cols = std::min(n, c0 + ldo) - c0;
+      if (cols <= 0) continue;
+      for (int64_t r = 0; r < M; ++r) {
+        const float* row = buf.data() + r * ldo;
+        const int32_t a = fucina::argmax_row(row, cols);
+        const Entry e = {fucina::total_key(row[a], 1), static_cast<int32_t>(c0 + a)};
+        Entry& b = best[s0 * M + r];
+        if (!std::isnan(row[a]) && (b.second < 0 || fucina::ranks_before(e, b))) b = e;
+        if (k) fucina::top_k_scan(scans[r], row, cols, c0);
+      }
+    }
+    for (int64_t r = 0; r < static_cast<int64_t>(scans.size()); ++r)
+      for (size_t j = 0; j < scans[r].heap.size(); ++j) tops[(s0 * M + r) * k + j] = scans[r].heap[j];
+  }, 1);
+  int32_t* idp = ids->typed_data();
+  int32_t* tp = top->typed_data();
+  std::vector<Entry> cand;
+  for (int64_t r = 0; r < M; ++r) {
+    Entry b = kNone;
+    for (int64_t s = 0; s < S; ++s) {
+      const Entry& e = best[s * M + r];
+      if (e.second >= 0 && (b.second < 0 || fucina::ranks_before(e, b))) b = e;
+    }
+    idp[r] = b.second >= 0 ? b.second : static_cast<int32_t>(n - 1);  // every value NaN: n - 1, as fucina_argmax
+    if (k == 0) continue;
+    cand.clear();
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t j = 0; j < k; ++j)
+        if (tops[(s * M + r) * k + j].second >= 0) cand.push_back(tops[(s * M + r) * k + j]);
+    std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), fucina::ranks_before);
+    for (int64_t j = 0; j < k; ++j) tp[r * k + j] = cand[j].second;
   }
-  return e;
+  return ffi::Error::Success();
 }
 
 // Mixture-of-experts product: y[t, u] = x[row(t, u)] . W[ids[t, u]]^T for a stack of E experts packed as one
@@ -819,6 +898,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmul, QMatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bs"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmulSelect, QMatmulSelectImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("bs")
+                                  .Attr<int64_t>("n_pad")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("k"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmulExperts, QMatmulExpertsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -853,6 +946,7 @@ static PyObject* py_handlers(PyObject*, PyObject*) {
       {"qmatmul", reinterpret_cast<void*>(&FucinaQMatmul)},
       {"fmatmul", reinterpret_cast<void*>(&FucinaFMatmul)},
       {"qmatmul_experts", reinterpret_cast<void*>(&FucinaQMatmulExperts)},
+      {"qmatmul_select", reinterpret_cast<void*>(&FucinaQMatmulSelect)},
       {"attention", reinterpret_cast<void*>(&FucinaAttention)},
       {"attention_write", reinterpret_cast<void*>(&FucinaAttentionWrite)},
       {"rms_norm", reinterpret_cast<void*>(&FucinaRmsNorm)},

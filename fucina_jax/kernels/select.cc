@@ -21,6 +21,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "parallel.h"
+#include "select.h"
 
 namespace ffi = xla::ffi;
 
@@ -28,13 +29,8 @@ namespace {
 
 #define FUCINA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-// Float bits -> int32 ordered as the total order above; fold (0 or 1) maps -0.0 (key -1) to +0.0's key 0.
-inline int32_t total_key(float f, int32_t fold) {
-  int32_t b;
-  std::memcpy(&b, &f, 4);
-  const int32_t key = b ^ ((b >> 31) & 0x7FFFFFFF);
-  return key + (fold & (key == -1));
-}
+using fucina::ranks_before;
+using fucina::total_key;
 
 // 8-lane GCC vectors: native on AVX2 and AVX-512 (GCC keeps vectors wider than the registers in memory, which made
 // 16-lane code 25x slower on AVX2). The results below do not depend on the lane count.
@@ -43,33 +39,38 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef int32_t v8iu __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int64_t v4l __attribute__((vector_size(32)));
 
-// (key, index): `a` ranks before `b` when its key is larger, or equal with a lower index.
-inline bool ranks_before(const std::pair<int32_t, int32_t>& a, const std::pair<int32_t, int32_t>& b) {
-  return a.first != b.first ? a.first > b.first : a.second < b.second;
-}
+}  // namespace
+
+namespace fucina {
 
 FUCINA_CLONES
-void top_k_row(const float* x, int64_t V, int64_t k, int32_t fold, float* vals, int32_t* ids,
-               std::vector<std::pair<int32_t, int32_t>>& heap) {
-  // A min-heap (by rank) of the best k so far: heap.front() is the worst kept. Indices grow along the scan, so an
-  // element equal to the worst kept ranks after it: only a strictly larger key enters.
-  heap.clear();
+void top_k_scan(TopKScan& t, const float* x, int64_t n, int64_t base) {
+  // t.heap is a min-heap (by rank) of the best k so far once it holds k: heap.front() is the worst kept. Indices grow
+  // along the scan, so an element equal to the worst kept ranks after it: only a strictly larger key enters.
+  auto& heap = t.heap;
+  const int64_t k = t.k;
+  const int32_t fold = t.fold;
   auto worse = [](const std::pair<int32_t, int32_t>& a, const std::pair<int32_t, int32_t>& b) {
     return ranks_before(a, b);
   };
   int64_t i = 0;
-  for (; i < k; ++i) heap.emplace_back(total_key(x[i], fold), static_cast<int32_t>(i));
-  std::make_heap(heap.begin(), heap.end(), worse);
+  if (static_cast<int64_t>(heap.size()) < k) {
+    for (; i < n && static_cast<int64_t>(heap.size()) < k; ++i)
+      heap.emplace_back(total_key(x[i], fold), static_cast<int32_t>(base + i));
+    if (static_cast<int64_t>(heap.size()) < k) return;
+    std::make_heap(heap.begin(), heap.end(), worse);
+  }
+  if (k == 0) return;
   int32_t thr = heap.front().first;
   auto offer = [&](int32_t key, int64_t idx) {  // key > thr: replace the worst kept
     std::pop_heap(heap.begin(), heap.end(), worse);
-    heap.back() = {key, static_cast<int32_t>(idx)};
+    heap.back() = {key, static_cast<int32_t>(base + idx)};
     std::push_heap(heap.begin(), heap.end(), worse);
     thr = heap.front().first;
   };
   constexpr int kBlock = 16;
   const v8i foldv = v8i{} + fold;
-  for (; i + kBlock <= V; i += kBlock) {
+  for (; i + kBlock <= n; i += kBlock) {
     // total_key of 16 values as two 8-lane vectors
     v8i k[2];
     for (int h = 0; h < 2; ++h) {
@@ -86,14 +87,19 @@ void top_k_row(const float* x, int64_t V, int64_t k, int32_t fold, float* vals, 
     for (int l = 0; l < kBlock; ++l)
       if (keys[l] > thr) offer(keys[l], i + l);
   }
-  for (; i < V; ++i) {
+  for (; i < n; ++i) {
     const int32_t key = total_key(x[i], fold);
     if (key > thr) offer(key, i);
   }
-  std::sort(heap.begin(), heap.end(), ranks_before);
+}
+
+void top_k_row(const float* x, int64_t V, int64_t k, int32_t fold, float* vals, int32_t* ids, TopKScan& t) {
+  t.reset(k, fold);
+  top_k_scan(t, x, V, 0);
+  std::sort(t.heap.begin(), t.heap.end(), ranks_before);
   for (int64_t j = 0; j < k; ++j) {
-    ids[j] = heap[j].second;
-    const float v = x[heap[j].second];
+    ids[j] = t.heap[j].second;
+    const float v = x[t.heap[j].second];
     vals[j] = fold && v == 0.0f ? 0.0f : v;
   }
 }
@@ -133,6 +139,13 @@ int32_t argmax_row(const float* x, int64_t V) {
   return static_cast<int32_t>(best_at);
 }
 
+}  // namespace fucina
+
+namespace {
+
+using fucina::argmax_row;
+using fucina::top_k_row;
+
 // Rows of x: all but the last axis.
 int64_t row_count(const ffi::Buffer<ffi::F32>& x, int64_t V) {
   return V ? static_cast<int64_t>(x.element_count()) / V : 0;
@@ -150,9 +163,8 @@ ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
   float* vp = vals->typed_data();
   int32_t* ip = ids->typed_data();
   auto run = [&](int64_t r0, int64_t r1) {
-    std::vector<std::pair<int32_t, int32_t>> heap;
-    heap.reserve(static_cast<size_t>(k));
-    for (int64_t r = r0; r < r1; ++r) top_k_row(xp + r * V, V, k, fold_zero != 0, vp + r * k, ip + r * k, heap);
+    fucina::TopKScan scan;
+    for (int64_t r = r0; r < r1; ++r) top_k_row(xp + r * V, V, k, fold_zero != 0, vp + r * k, ip + r * k, scan);
   };
   if (R > 1) {
     fucina::parallel_for(pool, R, run, 1);

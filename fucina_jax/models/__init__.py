@@ -15,7 +15,7 @@ from fucina_jax.errors import UnsupportedArchitectureError
 from fucina_jax.models import gemma3, gemma4, llama, qwen3, qwen3moe
 from fucina_jax.models.cache import KVCache, fitted_capacity, init_cache, truncate
 from fucina_jax.models.config import LayerSpec, ModelConfig
-from fucina_jax.models.layers import unembed
+from fucina_jax.models.layers import unembed, unembed_pick
 
 __all__ = [
     "ARCHITECTURES",
@@ -29,6 +29,7 @@ __all__ = [
     "init_cache",
     "truncate",
     "unembed",
+    "unembed_pick",
 ]
 
 ARCHITECTURES = {m.ARCH: m for m in (qwen3, qwen3moe, gemma3, gemma4, llama)}

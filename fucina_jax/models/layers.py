@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fucina_jax.kernels import KERNEL_WEIGHTS, FWeight, QWeight, expert_linear, qlinear, take_rows
+from fucina_jax.kernels import KERNEL_WEIGHTS, FWeight, QWeight, expert_linear, qlinear, qlinear_pick, take_rows
 from fucina_jax.kernels import attention as kernels_attention
 from fucina_jax.kernels import attention_write as kernels_attention_write
 from fucina_jax.kernels import norm_rope as kernels_norm_rope
@@ -438,3 +438,20 @@ def unembed(params: dict, h: jax.Array, cfg) -> jax.Array:
     """Final-normed hidden [..., D] -> logits [..., V]; tied models reuse token_embd; optional final softcap."""
     w = params["output"] if "output" in params else params["token_embd"]
     return softcap(linear(h, w), cfg.final_softcap)
+
+
+def unembed_pick(params: dict, h: jax.Array, cfg, k: int) -> tuple[jax.Array, jax.Array] | None:
+    """(the greedy pick [...], the ids of the min(k, V) largest logits [..., min(k, V)]) of the logits
+    unembed(params, h, cfg) would give, bitwise (sampling.greedy_pick's and sampling.top_k's rules), computed in the
+    output layer's kernel without writing the logits out (kernels.qlinear_pick); None where that kernel does not
+    apply (an f32 or float-type output weight, or a final softcap), and the caller unembeds."""
+    if not output_pickable(params, cfg):
+        return None
+    w = params["output"] if "output" in params else params["token_embd"]
+    return qlinear_pick(h, w, min(k, w.n))
+
+
+def output_pickable(params: dict, cfg) -> bool:
+    """Whether unembed_pick applies: a quantized output weight on the kernels and no final softcap."""
+    w = params["output"] if "output" in params else params["token_embd"]
+    return isinstance(w, QWeight) and not cfg.final_softcap
