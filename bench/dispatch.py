@@ -1,14 +1,17 @@
 #!/usr/bin/env python
-"""Two process-wide runtime settings side by side: how CPU programs are dispatched, and which threads run the kernels.
+"""Process-wide runtime settings side by side: how CPU programs are dispatched, which threads run the kernels, and
+whether greedy steps pick their tokens in the output layer.
 
     python bench/dispatch.py                              # async vs inline dispatch: SmolLM2 chat, spec_bench, 2 rounds
     python bench/dispatch.py --setting pool               # XLA's intra-op pool vs the kernels' own workers
+    python bench/dispatch.py --setting pick               # greedy steps through the logits vs the fused pick
     python bench/dispatch.py --model gemma3 --classes qa,rag --rounds 3 --reps 3
 
 --setting dispatch: JAX's CPU async dispatch (FUCINA_JAX_ASYNC_DISPATCH=1) against inline dispatch (what load()
 chooses: fucina_jax.model.prefer_inline_dispatch). --setting pool: the kernels' parallel_for on XLA's intra-op pool
 (FUCINA_KERNEL_POOL=xla) against their own spinning workers (the default, fucina_jax/kernels/parallel.h).
-Both are read once per process, so each measurement is a child process in one mode; rounds alternate the order
+--setting pick: greedy steps through the logits and the sampler (FUCINA_FUSED_PICK=0) against the output layer's
+fused pick (the default, sampling.GREEDY_UNPENALIZED; the spec_bench tasks are greedy). All are read once per process, so each measurement is a child process in one mode; rounds alternate the order
 (A, B, then B, A, ...) to cancel drift. A child decodes every task plainly and
 speculatively (the default SpecOptions, a cold source with the task's reference, as bench/run.py), interleaved --reps
 times, and reports each task's median ms per token; printed: per mode the geometric means over tasks and rounds, and
@@ -33,6 +36,7 @@ CHILD = "--child"
 SETTINGS = {
     "dispatch": (("async", {"FUCINA_JAX_ASYNC_DISPATCH": "1"}), ("inline", {"FUCINA_JAX_ASYNC_DISPATCH": "0"})),
     "pool": (("xla-pool", {"FUCINA_KERNEL_POOL": "xla"}), ("own-workers", {"FUCINA_KERNEL_POOL": "own"})),
+    "pick": (("logits", {"FUCINA_FUSED_PICK": "0"}), ("fused-pick", {"FUCINA_FUSED_PICK": "1"})),
 }
 
 
@@ -49,8 +53,10 @@ def child(model_name: str, classes: list[str], gen: int, ctx: int, reps: int) ->
     names = [c for group in classes for c in GROUPS.get(group, (group,))]
     model = fucina_jax.load(model_path(model_name))
     tasks = load_tasks(model, "continuation" if model_name == "gemma3" else "chat", classes=names)
+    from fucina_jax import sampling
+
     out = {"async": jax.config.values["jax_cpu_enable_async_dispatch"], "pool": os.environ.get("FUCINA_KERNEL_POOL"),
-           "tasks": {}}
+           "pick": sampling._FUSED_PICK, "tasks": {}}
     for task in tasks:
         kw = dict(max_tokens=gen, sampler=_sampler(task, 1), ctx=ctx)
         refs = [task.reference_ids] if task.reference_ids else []
@@ -104,6 +110,8 @@ def main(argv=None) -> int:
             got = json.loads(done.stdout.strip().splitlines()[-1])
             if args.setting == "dispatch" and got["async"] != (mode == name_a):
                 sys.exit(f"the {mode} child ran with async dispatch {got['async']}")
+            if args.setting == "pick" and got["pick"] != (mode == name_b):
+                sys.exit(f"the {mode} child ran with the fused pick {'on' if got['pick'] else 'off'}")
             for kind in ("plain", "spec"):
                 g = _geomean([t[kind] for t in got["tasks"].values()])
                 per[mode][kind].append(g)

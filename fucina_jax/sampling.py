@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import secrets
 from functools import partial
 from typing import NamedTuple, Sequence
@@ -87,7 +88,9 @@ TOP_K_OFF_CAP = 1024
 # The candidate cap of a greedy config whose penalties leave every logit as it is (SamplerConfig.candidate_cap): the
 # token is the argmax of the raw logits, which the decoder's step may take in the output layer's kernel without
 # writing the logits out (engine.decode_sample_rows_step). 0 is the cap of a greedy config with penalties.
+# FUCINA_FUSED_PICK=0 (read at import) keeps every greedy step on the logits path: the same tokens, for measuring.
 GREEDY_UNPENALIZED = -1
+_FUSED_PICK = os.environ.get("FUCINA_FUSED_PICK", "1") != "0"
 
 # Penalty windows up to this many slots count repeats pairwise ([R, H, H]); longer ones use a vocab histogram.
 _PAIRWISE_MAX_WINDOW = 256
@@ -202,7 +205,7 @@ class SamplerConfig:
         too: the argmax of the raw logits. Caps only widen (a decoder steps with the largest its rows need), and
         every cap a config can be widened to gives its tokens."""
         if self.temperature <= 0.0:
-            return GREEDY_UNPENALIZED if self.penalties_neutral else 0
+            return GREEDY_UNPENALIZED if self.penalties_neutral and _FUSED_PICK else 0
         if self.top_k <= 0:
             return min(int(n_vocab), TOP_K_OFF_CAP)
         return min(int(n_vocab), _pow2_at_least(self.top_k))

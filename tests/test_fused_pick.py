@@ -13,6 +13,10 @@ GREEDY_UNPENALIZED) takes each row's token and recycling candidates in the outpu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -40,6 +44,15 @@ def test_candidate_cap_is_unpenalized_exactly_for_neutral_greedy_configs():
         assert SamplerConfig(temperature=0, **penalised).candidate_cap(V) == 0, penalised
     assert SamplerConfig(temperature=0.7, top_k=40).candidate_cap(V) == 64
     assert SamplerConfig(temperature=0.7, top_k=0).candidate_cap(V) == sampling.TOP_K_OFF_CAP
+
+
+def test_the_fused_pick_can_be_turned_off():
+    """FUCINA_FUSED_PICK=0 (read at import): greedy configs step through the logits (cap 0)."""
+    code = "from fucina_jax.sampling import SamplerConfig; print(SamplerConfig(temperature=0).candidate_cap(99))"
+    for value, want in (("0", "0"), ("1", str(GREEDY_UNPENALIZED))):
+        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, FUCINA_FUSED_PICK=value),
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, (value, out.stdout, out.stderr[-500:])
 
 
 @pytest.fixture(scope="module")
