@@ -585,7 +585,7 @@ def _sample_by_row(logits, positions, history, drafts, params, cap):
 
     def row(penalised, u):
         finish = partial(_draw, u=u, temperature=params.temperature)
-        if cap <= 0:  # greedy (GREEDY_UNPENALIZED: the penalties are neutral, penalised is the row itself)
+        if cap == 0:
             return greedy_pick(penalised)
         select = lambda: _select(lambda: _zeros_equal(penalised), penalised.shape[-1], params, cap, finish)
         return jax.lax.cond(params.temperature > 0.0, select, lambda: greedy_pick(penalised))
