@@ -510,7 +510,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
   constexpr int cps = 8 / NSUB;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   // The R rows of a block are adjacent (Act is block-major): constant offsets from three pointers bumped per block.
   const int8_t* xb = x.xq(r0, 0);
@@ -548,7 +548,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
     for (int j = 0; j < NSUB; ++j) {
       const __m512 a = scale16(w, g, b, j);
       const __m512 c = AFFINE ? offset16(w, g, b, j) : _mm512_setzero_ps();
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         // Two accumulators halve the vpdpbusd dependency chain; integer sums are exact in any order.
         __m512i I0 = _mm512_setzero_si512(), I1 = _mm512_setzero_si512();
@@ -573,13 +573,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void rows_avx512(cons
       }
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo + g * kLanes, acc[r]);
 }
 
 template <int NSUB, bool AFFINE>
 void group_avx512_t(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r1, float* out, int64_t ldo) {
   for (int64_t r = r0; r < r1;) {
+    if (r1 - r >= 16) {  // one pass of the weight block for 16 rows: 16 accumulators + 8 weight vectors fit the 32 zmm
+      rows_avx512<16, NSUB, AFFINE>(w, g, x, r, out, ldo);
+      r += 16;
+      continue;
+    }
     switch (std::min<int64_t>(r1 - r, 8)) {
       case 8: rows_avx512<8, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 8; break;
       case 7: rows_avx512<7, NSUB, AFFINE>(w, g, x, r, out, ldo); r += 7; break;
