@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""What each extra row of a step costs, part by part: the layer stack, its matmuls alone, the output layer.
+
+A verify of width w (or a batch step over w rows) runs the model over w token rows where a plain step runs one. This
+times the three parts of such a step at every engine.STEP_WIDTHS width, in one process, the calls of all parts and
+widths shuffled within each repetition (machine load hits every arm alike):
+
+  layers    models.forward_hidden over `--prompt-len` cached tokens (the cache rewound by its start each call):
+            every layer's matmuls, norms, RoPE, attention with its cache write, residuals
+  matmuls   every layer's quantized matmuls alone, chained in one jitted function (kernels.qlinear; inputs are
+            random, the work is the same): how much of `layers` the weights' products are
+  output    the output layer with the greedy pick and the top-8 (kernels.qlinear_pick), or kernels.qlinear for a
+            model whose output weight the fused pick does not take
+
+Printed per part: the median and the minimum ms at each width, and each width's median over the part's own width-1
+median (the part's C(w)). To compare two kernel builds, run this from each in alternating processes.
+
+    python scripts/bench_rows.py [model.gguf] [--ctx 1024] [--prompt-len 300] [--reps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fucina_jax
+from fucina_jax import engine, kernels
+from fucina_jax.models import forward_hidden, truncate
+from fucina_jax.models.layers import _output_weight
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--ctx", type=int, default=1024, help="cache size")
+    ap.add_argument("--prompt-len", type=int, default=300, help="cached tokens before the step")
+    ap.add_argument("--reps", type=int, default=30, help="repetitions (each arm keeps its median and minimum)")
+    args = ap.parse_args(argv)
+    widths = engine.STEP_WIDTHS
+    if args.reps < 1 or args.prompt_len < 1 or args.ctx < args.prompt_len + widths[-1]:
+        ap.error("need reps >= 1, prompt-len >= 1 and ctx >= prompt-len + the widest step")
+
+    model = fucina_jax.load(args.model)
+    cfg, params = model.config, model.params
+    if not kernels.available() or not any(isinstance(w, kernels.QWeight) for w in params["layers"][0].values()):
+        ap.error("this probe times the quantized kernels: load a quantized GGUF without --f32")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.n_vocab, args.prompt_len).astype(np.int32)
+    cache = model.new_cache(args.ctx, batch=1)
+    _, cache = engine.prefill(params, cfg, [prompt], cache)
+    start = jnp.asarray([args.prompt_len], jnp.int32)
+
+    def layers(params, tokens, cache):
+        c = truncate(cache, start)
+        pos = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        h, c = forward_hidden(params, tokens, pos, c, cfg)
+        return h[:, :, :1], c
+
+    def matmuls(params, x):
+        keep = jnp.zeros((x.shape[0],), jnp.float32)
+        for layer in params["layers"]:
+            for w in layer.values():
+                if isinstance(w, kernels.QWeight):
+                    keep = keep + kernels.qlinear(jnp.resize(x, (x.shape[0], w.k)), w)[:, 0]
+        return keep
+
+    out_w = _output_weight(params)
+    fused = isinstance(out_w, kernels.QWeight) and not cfg.final_softcap
+    output = (lambda x: kernels.qlinear_pick(x, out_w, 8)) if fused else (lambda x: kernels.qlinear(x, out_w)[:, :1])
+    layers_j, matmuls_j, output_j = jax.jit(layers, donate_argnums=2), jax.jit(matmuls), jax.jit(output)
+    state = [cache]
+
+    def call(part: str, w: int) -> float:
+        if part == "layers":
+            toks = jnp.asarray(rng.integers(0, cfg.n_vocab, (1, w)).astype(np.int32))
+            t0 = time.perf_counter()
+            h, state[0] = layers_j(params, toks, state[0])
+            jax.block_until_ready(h)
+            return time.perf_counter() - t0
+        x = jnp.asarray(rng.standard_normal((w, out_w.k if part == "output" else cfg.d_model)).astype(np.float32))
+        t0 = time.perf_counter()
+        jax.block_until_ready(output_j(x) if part == "output" else matmuls_j(params, x))
+        return time.perf_counter() - t0
+
+    arms = [(part, w) for part in ("layers", "matmuls", "output") for w in widths]
+    for arm in arms:  # compile, then one warm call
+        call(*arm)
+        call(*arm)
+    times = {arm: [] for arm in arms}
+    for _ in range(args.reps):
+        for i in rng.permutation(len(arms)):
+            times[arms[i]].append(call(*arms[i]))
+    print(f"{model.path.split('/')[-1]}: {args.prompt_len} cached tokens, ctx {args.ctx}, {args.reps} shuffled "
+          f"repetitions; output layer: {'fused pick + top-8' if fused else 'qlinear'}")
+    print("part      width  median ms  min ms  C(w)")
+    for part in ("layers", "matmuls", "output"):
+        one = float(np.median(times[part, 1]))
+        for w in widths:
+            t = np.asarray(times[part, w]) * 1e3
+            print(f"{part:8}  {w:5d}  {np.median(t):9.2f}  {t.min():6.2f}  {np.median(t) / (one * 1e3):4.2f}")
+
+
+if __name__ == "__main__":
+    main()
