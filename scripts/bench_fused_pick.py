@@ -15,26 +15,20 @@ plain steps of its own path (the verify-cost table's C(w)), and logits/fused.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import numpy as np
 
+import _step_probe  # scripts/_step_probe.py (the script's folder is on sys.path)
 import fucina_jax
 from fucina_jax import engine, sampling
 from fucina_jax.sampling import GREEDY_UNPENALIZED, SamplerConfig
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--ctx", type=int, default=1024, help="cache size")
-    ap.add_argument("--prompt-len", type=int, default=300, help="cached tokens before the step")
-    ap.add_argument("--reps", type=int, default=15, help="repetitions (each arm's median is kept)")
-    args = ap.parse_args(argv)
-    if args.reps < 1 or args.prompt_len < 1 or args.ctx < args.prompt_len + engine.STEP_WIDTHS[-1]:
-        ap.error("need reps >= 1, prompt-len >= 1 and ctx >= prompt-len + 16")
+    ap = _step_probe.parser(__doc__, reps=15)
+    args = _step_probe.parse(ap, argv)
 
     model = fucina_jax.load(args.model)
     V = model.config.n_vocab
@@ -61,13 +55,7 @@ def main(argv=None) -> None:
         return time.perf_counter() - t0
 
     arms = [(w, cap, topk) for w in engine.STEP_WIDTHS for topk in (False, True) for cap in (GREEDY_UNPENALIZED, 0)]
-    for arm in arms:  # compile (or load) every program, then one warm call
-        call(*arm)
-        call(*arm)
-    times = {arm: [] for arm in arms}
-    for _ in range(args.reps):
-        for i in rng.permutation(len(arms)):
-            times[arms[i]].append(call(*arms[i]))
+    times = _step_probe.time_shuffled(arms, call, args.reps, rng)
     ms = {arm: 1e3 * float(np.median(t)) for arm, t in times.items()}
     plain = {cap: ms[1, cap, False] for cap in (GREEDY_UNPENALIZED, 0)}
     print(f"{model.path.split('/')[-1]}: greedy steps, {args.prompt_len} cached tokens, ctx {args.ctx}, "

@@ -20,13 +20,13 @@ median (the part's C(w)). To compare two kernel builds, run this from each in al
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _step_probe  # scripts/_step_probe.py (the script's folder is on sys.path)
 import fucina_jax
 from fucina_jax import engine, kernels
 from fucina_jax.models import forward_hidden, truncate
@@ -34,15 +34,9 @@ from fucina_jax.models.layers import _output_weight
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--ctx", type=int, default=1024, help="cache size")
-    ap.add_argument("--prompt-len", type=int, default=300, help="cached tokens before the step")
-    ap.add_argument("--reps", type=int, default=30, help="repetitions (each arm keeps its median and minimum)")
-    args = ap.parse_args(argv)
+    ap = _step_probe.parser(__doc__, reps=30)
+    args = _step_probe.parse(ap, argv)
     widths = engine.STEP_WIDTHS
-    if args.reps < 1 or args.prompt_len < 1 or args.ctx < args.prompt_len + widths[-1]:
-        ap.error("need reps >= 1, prompt-len >= 1 and ctx >= prompt-len + the widest step")
 
     model = fucina_jax.load(args.model)
     cfg, params = model.config, model.params
@@ -87,13 +81,7 @@ def main(argv=None) -> None:
         return time.perf_counter() - t0
 
     arms = [(part, w) for part in ("layers", "matmuls", "output") for w in widths]
-    for arm in arms:  # compile, then one warm call
-        call(*arm)
-        call(*arm)
-    times = {arm: [] for arm in arms}
-    for _ in range(args.reps):
-        for i in rng.permutation(len(arms)):
-            times[arms[i]].append(call(*arms[i]))
+    times = _step_probe.time_shuffled(arms, call, args.reps, rng)
     print(f"{model.path.split('/')[-1]}: {args.prompt_len} cached tokens, ctx {args.ctx}, {args.reps} shuffled "
           f"repetitions; output layer: {'fused pick + top-8' if fused else 'qlinear'}")
     print("part      width  median ms  min ms  C(w)")
