@@ -466,7 +466,7 @@ void group_avx2(const Weights& w, int64_t g, const Act& x, int64_t r0, int64_t r
 
 // ------------------------------------------------------------------------------------------------------------------
 // AVX-512 VNNI: 16 lanes = 16 output columns per register, vpdpbusd does 4 byte products per lane per instruction.
-// The 8 weight vectors of a 32-block stay in registers while up to 8 rows use them.
+// The 8 weight vectors of a 32-block stay in registers while up to 16 rows use them (16 accumulators + 8 = 32 zmm).
 // ------------------------------------------------------------------------------------------------------------------
 
 #define FUCINA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
