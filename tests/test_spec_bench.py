@@ -220,3 +220,27 @@ def test_cli_spec_bench_out_is_checked_before_the_benchmark(fixture_path, tmp_pa
     assert rc == 2 and err.startswith("error: --spec-bench-out") and what in err
     assert time.perf_counter() - t0 < 5
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_module_cli_passes_its_options_to_the_probe(fixture_path, monkeypatch, probe):
+    """`python -m fucina_jax.speculative.bench`: --prompt-len, --greedy, --reps/--rounds and --batch-rows reach the
+    probe; a bad --prompt-len or --batch-rows is a usage error before any model loads."""
+    from fucina_jax.speculative import bench
+
+    result, _, _ = probe
+    seen = {}
+
+    def fake(model, **kw):
+        seen.update(kw)
+        return result
+
+    monkeypatch.setattr(bench, "measure_cost_table", fake)
+    args = [fixture_path("qwen3"), "--json", "", "--png", "", "--prompt-len", "37", "--greedy", "--reps", "3",
+            "--rounds", "2", "--batch-rows", "2,4"]
+    assert bench.main(args) == 0
+    assert seen["prompt_len"] == 37 and seen["reps"] == 3 and seen["rounds"] == 2 and seen["batch_rows"] == (2, 4)
+    assert seen["sampler"].temperature == 0.0
+    for bad in (["--prompt-len", "0"], ["--batch-rows", "1"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main([fixture_path("qwen3"), *bad])
+        assert e.value.code == 2

@@ -402,6 +402,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=0, help="cache size (default: the model's default context)")
     ap.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed pairs per width per round")
     ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds (the median is kept)")
+    ap.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN,
+                    help="cached tokens before the timed steps (attention grows with them)")
     ap.add_argument("--greedy", action="store_true", help="time the greedy sampler (default: the CLI's sampler)")
     ap.add_argument("--batch-rows", default=",".join(map(str, DEFAULT_BATCH_ROWS)),
                     help="batch sizes of the batch surface, comma-separated ('' = none)")
@@ -412,12 +414,14 @@ def main(argv=None) -> int:
         batch_rows = (0,)
     if any(b < 2 for b in batch_rows):
         ap.error(f"--batch-rows {args.batch_rows!r}: give comma-separated integers >= 2, e.g. 2,4,8 (or '')")
+    if args.prompt_len < 1:
+        ap.error(f"--prompt-len {args.prompt_len}: give at least 1 cached token")
     model = fucina_jax.load(args.model)
     sampler = SamplerConfig(temperature=0.0, seed=0) if args.greedy else SamplerConfig(seed=0)
     command = "python -m fucina_jax.speculative.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     run_spec_bench(model, json_path=args.json or None, png_path=args.png or None, ctx=args.ctx or None,
-                   sampler=sampler, reps=args.reps, rounds=args.rounds, batch_rows=batch_rows,
-                   command=command.strip())
+                   sampler=sampler, reps=args.reps, rounds=args.rounds, prompt_len=args.prompt_len,
+                   batch_rows=batch_rows, command=command.strip())
     return 0
 
 
