@@ -4,12 +4,15 @@
     python bench/replay.py                                  # SmolLM2 chat + Gemma 3 completion, the spec_bench group
     python bench/replay.py --models smollm2 --classes qa,rag --gen 64 --live 3
     python bench/replay.py --classes spec_bench,grounded_copy --policies economics,gate,fixed3
+    python bench/replay.py --models smollm2 --cost-table smollm2=measure --live 3  # priced with SmolLM2's own curve
 
 Each task (bench/tasks/tasks.json, as bench/run.py loads it: chat on SmolLM2, continuation on Gemma 3) is decoded
 plainly once and recorded (every sampled id and its top-K; kept in --cache, keyed by model, task, tokens and
 sampler, so a second run replays at once). Each policy is then replayed through the real decoder against the
 shipped cost model (the cost table and its batch surface, speculative/replay.cost_model; --cost-table prices a model
-with its own --spec-bench table, which the policy then starts from too) with a cold source: a
+with its own --spec-bench table, which the policy then starts from too, and MODEL=measure measures that table first:
+the shipped one is Gemma 3's, and a model whose verify rows cost more, as SmolLM2's do, is overpredicted by it)
+with a cold source: a
 private SpeculationIndex with the task's reference, as bench/run.py's default. Printed: the predicted decode
 speed-up (plain time / speculative time at that cost curve), tokens per step, and per class and group the
 geometric means.
@@ -111,6 +114,19 @@ def live_ratios(model, task, gen, ctx, reps, options):
     return {name: statistics.median(r) for name, r in ratios.items()}
 
 
+def measured_prices(model, sampler, ctx: int):
+    """SpecOptions priced with `model`'s own cost table, measured now with `sampler` (the probe of `--spec-bench`,
+    without the batch surface: a replay steps one row). The shipped table is one model's (Gemma 3's): a model whose
+    verify rows cost more than Gemma 3's would be priced too cheaply by it, and the replay would overpredict."""
+    from fucina_jax.speculative import SpecOptions
+    from fucina_jax.speculative.bench import format_cost_table, measure_cost_table
+
+    result = measure_cost_table(model, ctx=ctx, sampler=sampler, reps=5, rounds=3, batch_rows=(),
+                                command="bench/replay.py --cost-table MODEL=measure")
+    print(format_cost_table(result), flush=True)
+    return SpecOptions(cost_table=result.cost_table())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2,gemma3")
@@ -126,7 +142,9 @@ def main(argv=None) -> int:
                     help="sample every task at this temperature (with bench/run.py's top-k/top-p/min-p) instead of "
                          "each task's own setting")
     ap.add_argument("--cost-table", action="append", default=[], metavar="MODEL=FILE",
-                    help="price MODEL's steps with a --spec-bench table (default: the shipped one), repeatable")
+                    help="price MODEL's steps with a --spec-bench table (default: the shipped one), repeatable; "
+                         "MODEL=measure: measure MODEL's own table first, with the first task's sampler (~30 s, "
+                         "printed)")
     args = ap.parse_args(argv)
 
     import tempfile
@@ -147,12 +165,15 @@ def main(argv=None) -> int:
     from fucina_jax.speculative import SpecOptions
     from fucina_jax.speculative.bench import load_batch_costs, load_cost_table
 
-    tables = {}
+    tables, measure = {}, set()
     for item in args.cost_table:
         name, sep, path = item.partition("=")
         if not sep:
-            ap.error(f"--cost-table {item!r}: give MODEL=FILE, e.g. smollm2=spec_bench.json")
-        tables[name] = SpecOptions(cost_table=load_cost_table(path), batch_costs=load_batch_costs(path))
+            ap.error(f"--cost-table {item!r}: give MODEL=FILE or MODEL=measure, e.g. smollm2=spec_bench.json")
+        if path == "measure":
+            measure.add(name)
+        else:
+            tables[name] = SpecOptions(cost_table=load_cost_table(path), batch_costs=load_batch_costs(path))
     header = f"{'model':8s} {'task':26s} {'tok':>4s} " + " ".join(f"{p:>9s} {'t/st':>4s}" for p in chosen)
     live_pols = [p.strip() for p in args.live_policy.split(",")] if args.live else []
     bad = [p for p in live_pols if p not in pols]
@@ -163,11 +184,13 @@ def main(argv=None) -> int:
     per_class: dict[tuple[str, str], dict[str, list[float]]] = {}
     for name in args.models.split(","):
         model = fucina_jax.load(model_path(name))
-        priced = tables.get(name, SpecOptions())
-        cost = R.cost_model(priced)
         tasks = load_tasks(model, STYLE[name], classes=tuple(classes))
         if args.temperature is not None:
             tasks = [dataclasses.replace(t, temperature=args.temperature) for t in tasks]
+        if name in measure and tasks:  # with the first task's sampler (a group's tasks share theirs)
+            tables[name] = measured_prices(model, _sampler(tasks[0], 0), args.ctx)
+        priced = tables.get(name, SpecOptions())
+        cost = R.cost_model(priced)
         for task in tasks:
             rec = recording(model, name, task, args.gen, args.ctx, cache_dir)
             refs = [task.reference_ids] if task.reference_ids else []

@@ -134,3 +134,24 @@ def test_shipped_task_file(bench, fixture_path, load_model):
             assert tok.decode(t.reference_ids) == spec["documents"][raw["reference"]]
     quick = bench.load_tasks(model, "continuation", quick=True)
     assert [t.cls for t in quick] == list(bench.CLASSES)
+
+
+def test_replay_prices_a_model_with_its_own_measured_table(fixture_path, load_model, capsys, monkeypatch):
+    """bench/replay.py --cost-table MODEL=measure: the replay's prices come from the model's own probe (printed), one
+    cost per verify bucket, not from the shipped table (Gemma 3's)."""
+    from fucina_jax import engine
+    from fucina_jax.sampling import SamplerConfig
+    from fucina_jax.speculative import DEFAULT_COST_TABLE
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # bench/replay.py puts bench/ on it: undone after the test
+    spec = importlib.util.spec_from_file_location("fucina_bench_replay", os.path.join(ROOT, "bench", "replay.py"))
+    replay = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = replay
+    spec.loader.exec_module(replay)
+    path = fixture_path("qwen3")
+    options = replay.measured_prices(load_model(path), SamplerConfig(temperature=0.0, seed=0), 96)
+    table = options.cost_table
+    assert [p.draft_len for p in table] == [w - 1 for w in engine.VERIFY_BUCKETS]
+    assert all(p.cost >= 1.0 for p in table) and table != DEFAULT_COST_TABLE
+    printed = capsys.readouterr().out
+    assert os.path.basename(path) in printed and "greedy" in printed
