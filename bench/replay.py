@@ -114,6 +114,19 @@ def live_ratios(model, task, gen, ctx, reps, options):
     return {name: statistics.median(r) for name, r in ratios.items()}
 
 
+def _note_shipped_table(model, name: str) -> None:
+    """One line when the shipped table, which prices `model` here, was measured on another model."""
+    import json
+
+    from fucina_jax.speculative.bench import DEFAULT_TABLE_PATH
+
+    with open(DEFAULT_TABLE_PATH) as f:
+        measured_on = json.load(f).get("model", "")
+    if measured_on != os.path.basename(model.path):
+        print(f"note: {name} is priced with the shipped cost table, measured on {measured_on}; "
+              f"--cost-table {name}=measure prices it with its own", flush=True)
+
+
 def measured_prices(model, sampler, ctx: int):
     """SpecOptions priced with `model`'s own cost table, measured now with `sampler` (the probe of `--spec-bench`,
     without the batch surface: a replay steps one row). The shipped table is one model's (Gemma 3's): a model whose
@@ -190,6 +203,8 @@ def main(argv=None) -> int:
         if name in measure and tasks:  # with the first task's sampler (a group's tasks share theirs)
             tables[name] = measured_prices(model, _sampler(tasks[0], 0), args.ctx)
         priced = tables.get(name, SpecOptions())
+        if name not in tables:
+            _note_shipped_table(model, name)
         cost = R.cost_model(priced)
         for task in tasks:
             rec = recording(model, name, task, args.gen, args.ctx, cache_dir)
