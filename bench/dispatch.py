@@ -11,8 +11,9 @@ whether greedy steps pick their tokens in the output layer.
 chooses: fucina_jax.model.prefer_inline_dispatch). --setting pool: the kernels' parallel_for on XLA's intra-op pool
 (FUCINA_KERNEL_POOL=xla) against their own spinning workers (the default, fucina_jax/kernels/parallel.h).
 --setting pick: greedy steps through the logits and the sampler (FUCINA_FUSED_PICK=0) against the output layer's
-fused pick (the default, sampling.GREEDY_UNPENALIZED; the spec_bench tasks are greedy). All are read once per process, so each measurement is a child process in one mode; rounds alternate the order
-(A, B, then B, A, ...) to cancel drift. A child decodes every task plainly and
+fused pick (the default, sampling.GREEDY_UNPENALIZED; the spec_bench tasks are greedy). All are read once per
+process, so each measurement is a child process in one mode; rounds alternate the order (A, B, then B, A, ...) to
+cancel drift. A child decodes every task plainly and
 speculatively (the default SpecOptions, a cold source with the task's reference, as bench/run.py), interleaved --reps
 times, and reports each task's median ms per token; printed: per mode the geometric means over tasks and rounds, and
 inline / async speed ratios, plain and speculative.

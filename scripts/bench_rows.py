@@ -30,7 +30,7 @@ import _step_probe  # scripts/_step_probe.py (the script's folder is on sys.path
 import fucina_jax
 from fucina_jax import engine, kernels
 from fucina_jax.models import forward_hidden, truncate
-from fucina_jax.models.layers import _output_weight
+from fucina_jax.models.layers import output_weight
 
 
 def main(argv=None) -> None:
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
                     keep = keep + kernels.qlinear(jnp.resize(x, (x.shape[0], w.k)), w)[:, 0]
         return keep
 
-    out_w = _output_weight(params)
+    out_w = output_weight(params)
     fused = isinstance(out_w, kernels.QWeight) and not cfg.final_softcap
     output = (lambda x: kernels.qlinear_pick(x, out_w, 8)) if fused else (lambda x: kernels.qlinear(x, out_w)[:, :1])
     layers_j, matmuls_j, output_j = jax.jit(layers, donate_argnums=2), jax.jit(matmuls), jax.jit(output)

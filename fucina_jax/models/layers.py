@@ -436,10 +436,11 @@ def embed(params: dict, tokens: jax.Array, cfg) -> jax.Array:
 
 def unembed(params: dict, h: jax.Array, cfg) -> jax.Array:
     """Final-normed hidden [..., D] -> logits [..., V]; tied models reuse token_embd; optional final softcap."""
-    return softcap(linear(h, _output_weight(params)), cfg.final_softcap)
+    return softcap(linear(h, output_weight(params)), cfg.final_softcap)
 
 
-def _output_weight(params: dict):
+def output_weight(params: dict):
+    """The output layer's weight: `output`, or `token_embd` for a tied model."""
     return params["output"] if "output" in params else params["token_embd"]
 
 
@@ -448,7 +449,7 @@ def unembed_pick(params: dict, h: jax.Array, cfg, k: int) -> tuple[jax.Array, ja
     unembed(params, h, cfg) would give, bitwise (sampling.greedy_pick's and sampling.top_k's rules), computed in the
     output layer's kernel without writing the logits out (kernels.qlinear_pick); None where that kernel does not
     apply (an f32 or float-type output weight, or a final softcap), and the caller unembeds."""
-    w = _output_weight(params)
+    w = output_weight(params)
     if not isinstance(w, QWeight) or cfg.final_softcap:
         return None
     return qlinear_pick(h, w, min(k, w.n))
