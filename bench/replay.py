@@ -22,7 +22,9 @@ comma-separated policies share one interleaved rotation) N times, and prints the
 per-repetition ratios) next to the prediction: the replay's check.
 
 Policies: economics (the default SpecOptions), gate (the design record's gate), fixed3 (the gate never off, drafts
-of 1-3 tokens, no adaptive budget: issue 27's fixed setting), treeK (economics with K siblings: tree verifies).
+of 1-3 tokens, no adaptive budget: issue 27's fixed setting), treeK (economics with K siblings: tree verifies),
+hindsight (replay only: the economics' drafts, each step's width chosen knowing how much of the draft is accepted:
+the ceiling of better prediction at that cost curve).
 """
 
 from __future__ import annotations
@@ -51,7 +53,12 @@ def policies():
         "gate": SpecOptions(policy="gate"),
         "fixed3": SpecOptions(policy="gate", max_draft=3, min_draft=1, min_speedup=0.0, adapt_budget=False),
         **{f"tree{k}": SpecOptions(tree_siblings=k) for k in (1, 2, 3, 5)},
+        # the same drafts weighed by a perfect predictor (replay only): the ceiling of better prediction
+        "hindsight": SpecOptions(min_gain=0.0),
     }
+
+
+HINDSIGHT = {"hindsight"}  # policies() that only a replay can run
 
 
 def _geomean(xs):
@@ -189,9 +196,9 @@ def main(argv=None) -> int:
             tables[name] = SpecOptions(cost_table=load_cost_table(path), batch_costs=load_batch_costs(path))
     header = f"{'model':8s} {'task':26s} {'tok':>4s} " + " ".join(f"{p:>9s} {'t/st':>4s}" for p in chosen)
     live_pols = [p.strip() for p in args.live_policy.split(",")] if args.live else []
-    bad = [p for p in live_pols if p not in pols]
+    bad = [p for p in live_pols if p not in pols or p in HINDSIGHT]
     if bad:
-        ap.error(f"--live-policy: unknown {bad}; known: {', '.join(pols)}")
+        ap.error(f"--live-policy: unknown or replay-only {bad}; live: {', '.join(p for p in pols if p not in HINDSIGHT)}")
     header += "".join(f" {'live:' + p:>10s}" for p in live_pols)
     print(header, flush=True)
     per_class: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -213,7 +220,7 @@ def main(argv=None) -> int:
             for p in chosen:
                 options = dataclasses.replace(pols[p], cost_table=priced.cost_table, batch_costs=priced.batch_costs)
                 rp = R.replay([rec], sources=[default_source(model, None, refs, persist=False)], options=options,
-                              cost=cost)
+                              cost=cost, hindsight=p in HINDSIGHT)
                 cls.setdefault(p, []).append(rp.speedup)
                 cells.append(f"{rp.speedup:8.2f}x {rp.tok_per_step:4.2f}")
             line = f"{name:8s} {task.id[:26]:26s} {len(rec.generated):4d} " + " ".join(cells)

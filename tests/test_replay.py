@@ -95,3 +95,48 @@ def test_recording_round_trips_and_bad_files_raise(gemma3, tmp_path):
         R.Recording.load(tmp_path / "bad.npz")
     with pytest.raises(ValueError, match="nothing to replay"):
         R.replay([])
+
+
+class _Fixed:
+    """A draft source that always proposes the same ids."""
+
+    wants_topk = False
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def suggest(self, context, buf):
+        n = min(len(self.ids), len(buf))
+        buf[:n] = self.ids[:n]
+        return n
+
+    def observe(self, committed):
+        pass
+
+
+def test_hindsight_evidence_is_the_accepted_length():
+    full = np.asarray([1, 2, 3, 4, 5, 6, 7], np.int32)
+    buf = np.zeros(4, np.int32)
+    for draft, context_len, accepted in (([4, 5, 9], 3, 2), ([4, 5, 6], 3, 3), ([9, 5, 6], 3, 0), ([7, 8], 6, 1)):
+        src = R.Hindsight(_Fixed(draft), full)
+        assert src.suggest(full[:context_len], buf) == len(draft)
+        assert src.evidence() == ("hindsight", accepted)
+    model = R.HindsightModel()
+    assert model.cumulative(("hindsight", 2))[:4] == [1.0, 1.0, 0.0, 0.0]
+    assert model.cumulative("conversation:32") == R.AcceptanceModel().cumulative("conversation:32")
+
+
+@pytest.mark.parametrize("sampler", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_hindsight_is_the_ceiling_of_the_same_drafts(gemma3, sampler):
+    """Knowing each draft's accepted length, the economics never verify a draft whose first token is wrong and do
+    at least as well as the learned policy over the same drafts and costs."""
+    rec = R.record(gemma3, _ids(gemma3, OTHER + " " + COPY), max_tokens=48, sampler=sampler)
+    make = lambda: SpeculationIndex(gemma3.config.n_vocab)
+    learned = R.replay([rec], sources=[make()])
+    ceiling = R.replay([rec], sources=[make()], hindsight=True)
+    st = ceiling.stats[0]
+    assert st["committed"] == learned.stats[0]["committed"] and st["verify_steps"] > 0
+    assert st["accepted"] >= st["verify_steps"]  # every verify accepted a token: none was a known loss
+    assert ceiling.speedup >= learned.speedup
+    with pytest.raises(ValueError, match="hindsight"):
+        R.replay([rec], sources=[make()], options=SpecOptions(policy="gate"), hindsight=True)

@@ -18,6 +18,12 @@ give the plain time, so `Replay.speedup` is the predicted decode speed-up at tha
 
 No weights are needed to replay: a recording carries the vocabulary size, and the decoder runs on a stand-in model
 whose cache holds no K/V.
+
+`replay(..., hindsight=True)` is the policy's ceiling for the same drafts: each draft source is wrapped so that its
+evidence is how much of the draft the recording says will be accepted (`Hindsight`), and the decoder's acceptance
+model takes that as certain (`HindsightModel`): every step picks the width a perfect predictor would, at the cost
+curve. What the real policy gets against it is what better prediction could still win; the rest needs better
+drafts or cheaper verify rows.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from fucina_jax.decoder import STOP, Decoder, Request, check_request
 from fucina_jax.index.protocol import DraftSource
 from fucina_jax.models.cache import KVCache
 from fucina_jax.sampling import SamplerConfig
+from fucina_jax.speculative.economics import MAX_DEPTH, AcceptanceModel
 from fucina_jax.speculative.gate import CostGate, SpecOptions
 
-__all__ = ["Recording", "Replay", "OracleSteps", "record", "replay", "cost_model"]
+__all__ = ["Recording", "Replay", "OracleSteps", "Hindsight", "HindsightModel", "record", "replay", "cost_model"]
 
 FORMAT = "fucina_jax.recording"
 PLAIN_NS = 10_000_000  # the virtual clock's one-row plain step (10 ms); only ratios matter
@@ -233,6 +240,51 @@ class OracleSteps:
         return sampled, history, None, self._topk(live, pos) if wants_topk else None, cache
 
 
+class Hindsight:
+    """A draft source's stand-in that knows the future: it drafts what `inner` drafts, and its evidence is
+    ("hindsight", a), a = how many of the draft's tokens the recorded stream `full` (prompt + sampled ids) confirms.
+    Everything else is the inner source's. Chains only: it offers no siblings."""
+
+    def __init__(self, inner, full: np.ndarray):
+        self.inner = inner
+        self.full = full
+        self._evidence = ("hindsight", 0)
+
+    @property
+    def wants_topk(self) -> bool:
+        return bool(getattr(self.inner, "wants_topk", False))
+
+    def suggest(self, context: np.ndarray, buf: np.ndarray) -> int:
+        n = self.inner.suggest(context, buf)
+        truth = self.full[len(context): len(context) + n]
+        a = 0
+        while a < len(truth) and buf[a] == truth[a]:
+            a += 1
+        self._evidence = ("hindsight", a)
+        return n
+
+    def observe(self, committed: np.ndarray) -> None:
+        self.inner.observe(committed)
+
+    def observe_topk(self, rows: np.ndarray) -> None:
+        self.inner.observe_topk(rows)
+
+    def evidence(self):
+        return self._evidence
+
+
+class HindsightModel(AcceptanceModel):
+    """The acceptance a perfect predictor knows: a ("hindsight", a) draft's first a tokens are accepted, the next is
+    not (other keys: the ordinary model)."""
+
+    _certain = [[1.0] * a + [0.0] * (MAX_DEPTH - a) for a in range(MAX_DEPTH + 1)]
+
+    def cumulative(self, key):
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == "hindsight":
+            return self._certain[min(int(key[1]), MAX_DEPTH)]
+        return super().cumulative(key)
+
+
 def _depths(parents: np.ndarray) -> np.ndarray:
     """Each tree row's depth, [n, k], from parents [n, k] (engine.tree_layout's, on the host)."""
     parents = np.asarray(parents)
@@ -264,11 +316,12 @@ class Replay:
 
 def replay(recordings: Sequence[Recording], *, sources: Sequence[DraftSource | None] | None = None,
            options: SpecOptions | None = None, cost: Callable[[int, int], float] | None = None,
-           clock: bool = True) -> Replay:
+           clock: bool = True, hindsight: bool = False) -> Replay:
     """Replay the recordings as one batch (one row each) through the real Decoder on OracleSteps. sources: one
     DraftSource (or None) per recording, e.g. fresh SpeculationIndex objects or warm ones. cost: cost(width, rows)
     in one-row plain steps (default: cost_model(options)). clock=False runs the decoder without a clock (the gate
-    and the economics price from the table alone, as a live run without a clock does)."""
+    and the economics price from the table alone, as a live run without a clock does). hindsight: the same drafts
+    weighed by a perfect predictor (Hindsight; the "economics" policy, chains): the ceiling of better prediction."""
     recordings = list(recordings)
     if not recordings:
         raise ValueError("nothing to replay: give at least one Recording")
@@ -277,17 +330,24 @@ def replay(recordings: Sequence[Recording], *, sources: Sequence[DraftSource | N
     sources = list(sources) if sources is not None else [None] * len(recordings)
     if len(sources) != len(recordings):
         raise ValueError(f"{len(sources)} sources for {len(recordings)} recordings")
-    spec = _run(recordings, sources, options, cost, clock)
+    if hindsight:
+        if options.policy != "economics" or options.tree_siblings:
+            raise ValueError("hindsight weighs chains by the economics: use policy='economics', tree_siblings=0")
+        sources = [None if s is None else Hindsight(s, np.concatenate([r.prompt, r.sampled]))
+                   for s, r in zip(sources, recordings)]
+    spec = _run(recordings, sources, options, cost, clock, hindsight)
     plain = _run(recordings, [None] * len(recordings), SpecOptions(enabled=False), cost, clock)
     return dataclasses.replace(spec, plain_time=plain.time)
 
 
-def _run(recordings, sources, options, cost, clock) -> Replay:
+def _run(recordings, sources, options, cost, clock, hindsight: bool = False) -> Replay:
     ctx = max(r.ctx for r in recordings)
     model = _StandInModel(max(r.n_vocab for r in recordings), ctx)
     oracle = OracleSteps(recordings, cost)
     dec = Decoder(model, len(recordings), ctx=ctx, options=options, clock=oracle.clock if clock else None,
                   steps=oracle)
+    if hindsight:
+        dec.acceptance = HindsightModel()
     greedy = SamplerConfig(temperature=0.0)  # the oracle samples; the sampler only sizes the decoder's windows
     requests = [Request(tuple(int(t) for t in r.prompt), r.max_tokens, greedy, r.stops, s)
                 for r, s in zip(recordings, sources)]
