@@ -177,6 +177,33 @@ def test_non_finite_input_poisons_only_its_row(qtype, bad):
     assert np.isfinite(got[[0, 2]]).all()
 
 
+def test_activation_blocks_quantized_sixteen_at_a_time_keep_their_bits(each_isa):
+    """Rows of 37 blocks (AVX-512 quantizes 16 blocks of a row per pass, the rest one by one): all-zero blocks, exact
+    .5 ties, blocks whose scale rounds to an fp16 subnormal, to zero or overflows to inf, and a non-finite value in a
+    16-block pass (that row is NaN; the others keep the reference's bits), on every instruction set."""
+    qtype, n, k = T.Q8_0, 32, 32 * 37
+    raw = random_tensor(qtype, n, k, seed=11)
+    u, a, c, bs = decode_codes(raw, qtype, (n, k))
+    w = qweight(raw, qtype, (n, k))
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((6, k)) * rng.uniform(0.1, 10, (6, 1))).astype(np.float32)
+    x[0, 32 * 3: 32 * 4] = 0.0  # inside the first pass
+    x[0, 32 * 20: 32 * 21] = 0.0  # inside the second
+    x[1, :32 * 16] = np.tile(np.float32([127.0, 0.5, 1.5, -2.5, 63.5, -0.5, 3.5, 2.5]), 64)  # d = 1: .5 ties
+    x[2, 32 * 5: 32 * 6] *= np.float32(1e-7)  # d ~ 1e-8: an fp16 subnormal or zero
+    x[2, 32 * 17: 32 * 18] *= np.float32(1e-12)
+    x[3, 32 * 30: 32 * 31] *= np.float32(1e6)  # d > 65504: fp16(d) = inf
+    x[4, 32 * 9 + 7] = np.inf  # a non-finite value inside a pass
+    with np.errstate(over="ignore"):  # fp16(d) = inf is the case
+        want = reference(np.where(np.isfinite(x), x, 0).astype(np.float32), u, a, c, bs)
+    for isa in each_isa:
+        kernels.set_isa(isa)
+        got = np.asarray(_qlinear(jnp.asarray(x), w))
+        rows = [0, 1, 2, 3, 5]
+        np.testing.assert_array_equal(got[rows], want[rows], err_msg=isa)
+        assert np.isnan(got[4]).all(), isa
+
+
 def test_leading_axes_and_jit_in_user_code():
     n, k = 20, 64
     raw = random_tensor(T.Q5_0, n, k, seed=9)
