@@ -851,3 +851,28 @@ def test_concurrent_callers_share_the_workers():
                 np.testing.assert_array_equal(g, alone[i % 4])
     after = kernels.threads()
     assert after["calls_workers"] + after["calls_pool"] - before["calls_workers"] - before["calls_pool"] >= 96
+
+
+def test_kernel_cycles_harness_builds_and_reports():
+    """scripts/bench_kernel_cycles.py: the kernels build alone (FUCINA_KERNEL_HARNESS, no Python module) and its
+    harness reports every part: the peak rates, quantization per M and every (type, rows, weights) matmul cell."""
+    import importlib.util
+    import shutil
+
+    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        pytest.fail("no C++ compiler: the kernels themselves need one")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "bench_kernel_cycles.py")
+    spec = importlib.util.spec_from_file_location("bench_kernel_cycles", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.run(reps=2)
+    peak = [r for r in rows if r["part"] == "peak"]
+    assert len(peak) == 1 and peak[0]["ghz"] > 0.3 and peak[0]["isa"] == kernels.supported_isas()[0]
+    assert sorted(r["M"] for r in rows if r["part"] == "quantize") == [1, 8, 64]
+    assert all(r["cycles_per_block"] > 0 for r in rows if r["part"] == "quantize")
+    cells = {(r["type"], r["M"], r["weights"]) for r in rows if r["part"] == "matmul"}
+    assert cells == {(t, m, w) for t in ("Q8_0", "Q5_0", "Q4_1") for m in (1, 2, 4, 8, 16)
+                     for w in ("resident", "streamed")}
+    assert all(r["macs_per_cycle"] > 0 for r in rows if r["part"] == "matmul")
+    assert "quantize  M   8" in mod.report(rows)

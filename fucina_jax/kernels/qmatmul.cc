@@ -23,7 +23,9 @@
 // of double chunk c % 4, split back into bytes with one shift and two ands per 64 bytes), then a 64-byte plane per
 // higher bit (8 bytes per chunk: bit p = that bit of the chunk's byte p), added back with one masked byte add.
 
+#ifndef FUCINA_KERNEL_HARNESS  // scripts/bench_kernel_cycles.py builds the kernels alone, without the module
 #include <Python.h>
+#endif
 
 #include <immintrin.h>
 
@@ -1009,6 +1011,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmulExperts, QMatmulExpertsImpl,
 // Python module: the handler capsules and the instruction-set switch (tests force the fallbacks with it).
 // ------------------------------------------------------------------------------------------------------------------
 
+#ifndef FUCINA_KERNEL_HARNESS
+
 extern "C" XLA_FFI_Error* FucinaFMatmul(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaAttention(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* FucinaAttentionWrite(XLA_FFI_CallFrame* call_frame);
@@ -1099,3 +1103,4 @@ static PyMethodDef kMethods[] = {
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_qmatmul", "Quantized matmul kernels (XLA FFI).", -1, kMethods};
 
 PyMODINIT_FUNC PyInit__qmatmul(void) { return PyModule_Create(&kModule); }
+#endif  // FUCINA_KERNEL_HARNESS
