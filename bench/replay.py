@@ -24,7 +24,8 @@ per-repetition ratios) next to the prediction: the replay's check.
 Policies: economics (the default SpecOptions), gate (the design record's gate), fixed3 (the gate never off, drafts
 of 1-3 tokens, no adaptive budget: issue 27's fixed setting), treeK (economics with K siblings: tree verifies),
 hindsight (replay only: the economics' drafts, each step's width chosen knowing how much of the draft is accepted:
-the ceiling of better prediction at that cost curve).
+the ceiling of better prediction at that cost curve), hindsight-treeK (the same with K siblings, each known to be the
+next token or not: the ceiling of tree verifies over today's alternatives).
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def policies():
         **{f"tree{k}": SpecOptions(tree_siblings=k) for k in (1, 2, 3, 5)},
         # the same drafts weighed by a perfect predictor (replay only): the ceiling of better prediction
         "hindsight": SpecOptions(min_gain=0.0),
+        **{f"hindsight-tree{k}": SpecOptions(min_gain=0.0, tree_siblings=k) for k in (1, 2, 3)},
     }
 
 
-HINDSIGHT = {"hindsight"}  # policies() that only a replay can run
+HINDSIGHT = {"hindsight", "hindsight-tree1", "hindsight-tree2", "hindsight-tree3"}  # only a replay can run these
 
 
 def _geomean(xs):

@@ -121,8 +121,19 @@ def test_hindsight_evidence_is_the_accepted_length():
         src = R.Hindsight(_Fixed(draft), full)
         assert src.suggest(full[:context_len], buf) == len(draft)
         assert src.evidence() == ("hindsight", accepted)
+    class WithSiblings(_Fixed):
+        def siblings(self, k):
+            return [(9, "sibling0"), (4, "sibling1"), (8, "sibling2")][:k]
+
+    src = R.Hindsight(WithSiblings([5, 6]), full)
+    src.suggest(full[:3], buf)  # the next token is 4
+    assert src.siblings(3) == [(9, ("hindsight-sibling", 0)), (4, ("hindsight-sibling", 1)),
+                               (8, ("hindsight-sibling", 0))]
+    assert R.Hindsight(_Fixed([5]), full).siblings(2) == []  # a source without siblings offers none
     model = R.HindsightModel()
     assert model.cumulative(("hindsight", 2))[:4] == [1.0, 1.0, 0.0, 0.0]
+    assert model.cumulative(("hindsight-sibling", 1))[:2] == [1.0, 0.0]
+    assert model.cumulative(("hindsight-sibling", 0))[0] == 0.0
     assert model.cumulative("conversation:32") == R.AcceptanceModel().cumulative("conversation:32")
 
 
@@ -138,5 +149,8 @@ def test_hindsight_is_the_ceiling_of_the_same_drafts(gemma3, sampler):
     assert st["committed"] == learned.stats[0]["committed"] and st["verify_steps"] > 0
     assert st["accepted"] >= st["verify_steps"]  # every verify accepted a token: none was a known loss
     assert ceiling.speedup >= learned.speedup
+    # with the recycling matrix's alternatives to each first token as tree siblings, known right or wrong
+    tree = R.replay([rec], sources=[make()], options=SpecOptions(tree_siblings=2), hindsight=True)
+    assert tree.stats[0]["committed"] == st["committed"] and tree.speedup >= ceiling.speedup
     with pytest.raises(ValueError, match="hindsight"):
         R.replay([rec], sources=[make()], options=SpecOptions(policy="gate"), hindsight=True)

@@ -20,8 +20,8 @@ No weights are needed to replay: a recording carries the vocabulary size, and th
 whose cache holds no K/V.
 
 `replay(..., hindsight=True)` is the policy's ceiling for the same drafts: each draft source is wrapped so that its
-evidence is how much of the draft the recording says will be accepted (`Hindsight`), and the decoder's acceptance
-model takes that as certain (`HindsightModel`): every step picks the width a perfect predictor would, at the cost
+evidence is how much of the draft the recording says will be accepted, and whether each tree sibling is the next
+token (`Hindsight`), and the decoder's acceptance model takes that as certain (`HindsightModel`): every step picks the width a perfect predictor would, at the cost
 curve. What the real policy gets against it is what better prediction could still win; the rest needs better
 drafts or cheaper verify rows.
 """
@@ -243,12 +243,14 @@ class OracleSteps:
 class Hindsight:
     """A draft source's stand-in that knows the future: it drafts what `inner` drafts, and its evidence is
     ("hindsight", a), a = how many of the draft's tokens the recorded stream `full` (prompt + sampled ids) confirms.
-    Everything else is the inner source's. Chains only: it offers no siblings."""
+    The inner source's siblings (a tree verify's alternatives to the first token) come keyed ("hindsight-sibling",
+    1 if the token is the next one, else 0). Everything else is the inner source's."""
 
     def __init__(self, inner, full: np.ndarray):
         self.inner = inner
         self.full = full
         self._evidence = ("hindsight", 0)
+        self._next = -1  # the recorded token after the context of the latest suggest
 
     @property
     def wants_topk(self) -> bool:
@@ -256,6 +258,7 @@ class Hindsight:
 
     def suggest(self, context: np.ndarray, buf: np.ndarray) -> int:
         n = self.inner.suggest(context, buf)
+        self._next = int(self.full[len(context)]) if len(context) < len(self.full) else -1
         truth = self.full[len(context): len(context) + n]
         a = 0
         while a < len(truth) and buf[a] == truth[a]:
@@ -272,15 +275,22 @@ class Hindsight:
     def evidence(self):
         return self._evidence
 
+    def siblings(self, k: int) -> list:
+        fn = getattr(self.inner, "siblings", None)
+        if not callable(fn):
+            return []
+        return [(t, ("hindsight-sibling", int(t == self._next))) for t, _ in fn(k)]
+
 
 class HindsightModel(AcceptanceModel):
     """The acceptance a perfect predictor knows: a ("hindsight", a) draft's first a tokens are accepted, the next is
-    not (other keys: the ordinary model)."""
+    not; a ("hindsight-sibling", 1) alternative is the next token, a ("hindsight-sibling", 0) one is not (other keys:
+    the ordinary model)."""
 
     _certain = [[1.0] * a + [0.0] * (MAX_DEPTH - a) for a in range(MAX_DEPTH + 1)]
 
     def cumulative(self, key):
-        if isinstance(key, tuple) and len(key) == 2 and key[0] == "hindsight":
+        if isinstance(key, tuple) and len(key) == 2 and key[0] in ("hindsight", "hindsight-sibling"):
             return self._certain[min(int(key[1]), MAX_DEPTH)]
         return super().cumulative(key)
 
@@ -321,7 +331,8 @@ def replay(recordings: Sequence[Recording], *, sources: Sequence[DraftSource | N
     DraftSource (or None) per recording, e.g. fresh SpeculationIndex objects or warm ones. cost: cost(width, rows)
     in one-row plain steps (default: cost_model(options)). clock=False runs the decoder without a clock (the gate
     and the economics price from the table alone, as a live run without a clock does). hindsight: the same drafts
-    weighed by a perfect predictor (Hindsight; the "economics" policy, chains): the ceiling of better prediction."""
+    (and with tree_siblings, the same alternatives) weighed by a perfect predictor (Hindsight; the "economics"
+    policy): the ceiling of better prediction."""
     recordings = list(recordings)
     if not recordings:
         raise ValueError("nothing to replay: give at least one Recording")
@@ -331,8 +342,8 @@ def replay(recordings: Sequence[Recording], *, sources: Sequence[DraftSource | N
     if len(sources) != len(recordings):
         raise ValueError(f"{len(sources)} sources for {len(recordings)} recordings")
     if hindsight:
-        if options.policy != "economics" or options.tree_siblings:
-            raise ValueError("hindsight weighs chains by the economics: use policy='economics', tree_siblings=0")
+        if options.policy != "economics":
+            raise ValueError("hindsight weighs the drafts by the economics: use policy='economics'")
         sources = [None if s is None else Hindsight(s, np.concatenate([r.prompt, r.sampled]))
                    for s, r in zip(sources, recordings)]
     spec = _run(recordings, sources, options, cost, clock, hindsight)
