@@ -60,7 +60,9 @@ def policies():
     }
 
 
-HINDSIGHT = {"hindsight", "hindsight-tree1", "hindsight-tree2", "hindsight-tree3"}  # only a replay can run these
+def replay_only(policy: str) -> bool:
+    """The hindsight policies need the recording's future: only a replay can run them."""
+    return policy.startswith("hindsight")
 
 
 def _geomean(xs):
@@ -198,9 +200,10 @@ def main(argv=None) -> int:
             tables[name] = SpecOptions(cost_table=load_cost_table(path), batch_costs=load_batch_costs(path))
     header = f"{'model':8s} {'task':26s} {'tok':>4s} " + " ".join(f"{p:>9s} {'t/st':>4s}" for p in chosen)
     live_pols = [p.strip() for p in args.live_policy.split(",")] if args.live else []
-    bad = [p for p in live_pols if p not in pols or p in HINDSIGHT]
+    bad = [p for p in live_pols if p not in pols or replay_only(p)]
     if bad:
-        ap.error(f"--live-policy: unknown or replay-only {bad}; live: {', '.join(p for p in pols if p not in HINDSIGHT)}")
+        live = ", ".join(p for p in pols if not replay_only(p))
+        ap.error(f"--live-policy: unknown or replay-only {bad}; live: {live}")
     header += "".join(f" {'live:' + p:>10s}" for p in live_pols)
     print(header, flush=True)
     per_class: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -222,7 +225,7 @@ def main(argv=None) -> int:
             for p in chosen:
                 options = dataclasses.replace(pols[p], cost_table=priced.cost_table, batch_costs=priced.batch_costs)
                 rp = R.replay([rec], sources=[default_source(model, None, refs, persist=False)], options=options,
-                              cost=cost, hindsight=p in HINDSIGHT)
+                              cost=cost, hindsight=replay_only(p))
                 cls.setdefault(p, []).append(rp.speedup)
                 cells.append(f"{rp.speedup:8.2f}x {rp.tok_per_step:4.2f}")
             line = f"{name:8s} {task.id[:26]:26s} {len(rec.generated):4d} " + " ".join(cells)

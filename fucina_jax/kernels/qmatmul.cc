@@ -152,8 +152,8 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void quantize_block_avx512(cons
   s[1] = _mm512_reduce_add_epi32(i1);
 }
 
-// out lane k = op over the 16 lanes of a[k] (op: max or add), by a transposing tree: each level pairs the lanes of two
-// vectors, so 16 reductions cost 15 ops and ~31 shuffles instead of 16 x (4 ops + 4 shuffles). Only for exact ops
+// out lane k = op over the 16 lanes of a[k] (op: max or add), by a transposing tree: each level pairs the lanes of
+// two vectors, so 16 reductions cost 15 ops and ~31 shuffles instead of 16 x (4 ops + 4 shuffles). Only for exact ops
 // here (max of non-negative floats; sums of at most 16 small integers held as floats): their order does not matter.
 __attribute__((target("avx512f"), always_inline)) inline __m512 op16(__m512 x, __m512 y, bool max) {
   return max ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y);
@@ -163,19 +163,19 @@ template <bool kMax>
 __attribute__((target("avx512f"), always_inline)) inline __m512 reduce16x16(const __m512* a) {
   __m512 p[8], q[4], r[2];
   for (int i = 0; i < 8; ++i)
-    p[i] = op16(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE),
-                kMax);
+    p[i] = op16(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE), kMax);
   for (int k = 0; k < 4; ++k)
-    q[k] = op16(_mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0x88), _mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0xDD),
-                kMax);
+    q[k] = op16(_mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0x88),
+                _mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0xDD), kMax);
   for (int m = 0; m < 2; ++m)
     r[m] = op16(_mm512_shuffle_ps(q[2 * m], q[2 * m + 1], 0x44), _mm512_shuffle_ps(q[2 * m], q[2 * m + 1], 0xEE), kMax);
   const __m512 t = op16(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD), kMax);
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
 }
 
-// 16 consecutive blocks of one row (xb: 512 floats) at once: the same bits as quantize_block_avx512 on each (every step
-// is the same exact IEEE operation per block, the reductions exact in any order), with the divisions, the fp16
+// 16 consecutive blocks of one row (xb: 512 floats) at once: the same bits as quantize_block_avx512 on each (every
+// step is the same exact IEEE operation per block, the reductions exact in any order), with the divisions, the fp16
 // rounding and the horizontal reductions done 16 blocks per instruction. Block k goes to qb + k * qstep (bytes),
 // dx[k * dstep], s[k * sstep] and s[k * sstep + 1]. Returns false, writing nothing, when a value is not finite (the
 // caller then quantizes block by block, whose scalar path poisons the block).
@@ -186,14 +186,16 @@ __attribute__((target("avx512f,avx512bw,f16c"))) bool quantize16_avx512(const fl
   __m512 m[16];
   __mmask16 finite = 0xFFFF;
   for (int k = 0; k < 16; ++k) {
-    const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb + 32 * k)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 32 * k + 16));
+    const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb + 32 * k));
+    const __m512 a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 32 * k + 16));
     finite &= _mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ);  // false: inf, NaN
     m[k] = _mm512_max_ps(a0, a1);
   }
   if (finite != 0xFFFF) return false;
   const __m512 amax = reduce16x16<true>(m);
   const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
-  const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ), _mm512_set1_ps(1.0f), d);
+  const __mmask16 nonzero = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+  const __m512 id = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0f), d);  // 1 / d, 0 where d is 0
   alignas(64) float dh[16], sums[2][16];
   _mm512_store_ps(dh, _mm512_cvtph_ps(_mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
   const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
@@ -202,9 +204,10 @@ __attribute__((target("avx512f,avx512bw,f16c"))) bool quantize16_avx512(const fl
     __m512 v[16];
     for (int k = 0; k < 16; ++k) {
       const __m512 idk = _mm512_permutexvar_ps(_mm512_set1_epi32(k), id);
-      v[k] = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + 32 * k + 16 * h),
-                                                                                    idk), kRne)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k * qstep + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v[k])));
+      const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(xb + 32 * k + 16 * h), idk);
+      v[k] = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(scaled, kRne)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k * qstep + 16 * h),
+                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v[k])));
     }
     _mm512_store_ps(sums[h], reduce16x16<false>(v));
   }
@@ -260,26 +263,27 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_block_avx2(const float* x
 
 // isa: 0 AVX-512, 1 AVX2, else scalar (all give the same bits).
 void quantize_rows(const float* x, Act& a, int isa) {
-  for (int64_t r = 0; r < a.M; ++r)
-    for (int64_t b = 0; b < a.nb; ++b) {
-      if (isa == 0 && b % 16 == 0 && b + 16 <= a.nb &&
-          quantize16_avx512(x + r * a.K + b * kQB, a.q.data() + (b * a.M + r) * kQB, a.M * kQB, a.d.data() + b * a.M + r,
-                            a.M, a.s16.data() + (b * a.M + r) * 2, a.M * 2)) {
-        b += 15;
-        continue;
-      }
-      const float* xb = x + r * a.K + b * kQB;
-      int8_t* qb = a.q.data() + (b * a.M + r) * kQB;
-      float* dx = a.d.data() + b * a.M + r;
-      int32_t* s = a.s16.data() + (b * a.M + r) * 2;
+  // block b of row r: its values, codes, scale and sums (consecutive blocks of a row are M entries apart in Act)
+  const auto xb = [&](int64_t r, int64_t b) { return x + r * a.K + b * kQB; };
+  const auto qb = [&](int64_t r, int64_t b) { return a.q.data() + (b * a.M + r) * kQB; };
+  const auto dx = [&](int64_t r, int64_t b) { return a.d.data() + b * a.M + r; };
+  const auto s = [&](int64_t r, int64_t b) { return a.s16.data() + (b * a.M + r) * 2; };
+  for (int64_t r = 0; r < a.M; ++r) {
+    int64_t b = 0;
+    if (isa == 0)  // 16 blocks per pass where 16 remain; a pass holding a non-finite value goes block by block
+      for (; b + 16 <= a.nb; b += 16)
+        if (!quantize16_avx512(xb(r, b), qb(r, b), a.M * kQB, dx(r, b), a.M, s(r, b), a.M * 2))
+          for (int64_t k = b; k < b + 16; ++k) quantize_block_avx512(xb(r, k), qb(r, k), dx(r, k), s(r, k));
+    for (; b < a.nb; ++b) {
       if (isa == 0) {
-        quantize_block_avx512(xb, qb, dx, s);
+        quantize_block_avx512(xb(r, b), qb(r, b), dx(r, b), s(r, b));
       } else if (isa == 1) {
-        quantize_block_avx2(xb, qb, dx, s);
+        quantize_block_avx2(xb(r, b), qb(r, b), dx(r, b), s(r, b));
       } else {
-        quantize_block_scalar(xb, qb, dx, s);
+        quantize_block_scalar(xb(r, b), qb(r, b), dx(r, b), s(r, b));
       }
     }
+  }
 }
 
 // How a weight's scales are stored.

@@ -21,9 +21,9 @@ whose cache holds no K/V.
 
 `replay(..., hindsight=True)` is the policy's ceiling for the same drafts: each draft source is wrapped so that its
 evidence is how much of the draft the recording says will be accepted, and whether each tree sibling is the next
-token (`Hindsight`), and the decoder's acceptance model takes that as certain (`HindsightModel`): every step picks the width a perfect predictor would, at the cost
-curve. What the real policy gets against it is what better prediction could still win; the rest needs better
-drafts or cheaper verify rows.
+token (`Hindsight`), and the decoder's acceptance model takes that as certain (`HindsightModel`): every step picks
+the width a perfect predictor would, at the cost curve. What the real policy gets against it is what better
+prediction could still win; the rest needs better drafts or cheaper verify rows.
 """
 
 from __future__ import annotations
