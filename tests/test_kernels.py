@@ -632,17 +632,38 @@ def test_norm_rope_kernel_matches_the_definition(neox, n_rot):
     want = L.apply_rope(L.rms_norm(x, w, 1e-6), pos, inv, neox)
     cs = np.asarray(L.rope_angles(pos, inv))
     np.testing.assert_allclose(kernels.norm_rope(x, w, 1e-6, jnp.asarray(cs), neox), want, atol=2e-5)
-    # rotation alone, bitwise: y0 = fma(x0, c, -(x1 s)), y1 = fma(x0, s, x1 c), as ggml's rope rounds
-    xs = np.asarray(x)
-    i0 = np.arange(n_rot // 2) if neox else 2 * np.arange(n_rot // 2)
-    i1 = i0 + n_rot // 2 if neox else i0 + 1
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "norm"])
+@pytest.mark.parametrize("Dh, n_rot", [(64, 64), (64, 48), (64, 16), (64, 6), (256, 256), (128, 80)])
+def test_rope_rotation_is_the_fused_definition_bitwise_on_every_isa(neox, Dh, n_rot, each_isa):
+    """y0 = fma(x0, c, -(x1 s)), y1 = fma(x0, s, x1 c) per pair, as ggml's rope rounds. The AVX-512 and AVX2 code
+    rotate 16 / 8 NEOX pairs or 8 / 4 adjacent pairs a vector and leave the rest to the pair-by-pair code: rotations
+    of whole vectors, vectors and a tail, a tail alone, and a partial rotation (n_rot < Dh) give the same bits on
+    every instruction set, with zeros of both signs, infinities and NaNs among the values (not subnormals: XLA
+    runs its kernels with denormals flushed to zero)."""
+    from fucina_jax.models import layers as L
+
+    rng = np.random.default_rng(16)
+    xs = (rng.standard_normal((2, 3, 5, Dh)) * 3).astype(np.float32)
+    xs.reshape(-1)[rng.choice(xs.size, 12, replace=False)] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30] * 2
+    pos = jnp.asarray([[0, 7, 8], [100, 2000, 30000]], jnp.int32)
+    cs = np.asarray(L.rope_angles(pos, L.rope_inv_freq(n_rot, 10000.0)))
+    half = n_rot // 2
+    i0 = np.arange(half) if neox else 2 * np.arange(half)
+    i1 = i0 + half if neox else i0 + 1
     c, s = cs[:, :, None, :, 0], cs[:, :, None, :, 1]
     x0, x1 = xs[..., i0], xs[..., i1]
     want = xs.copy()
-    want[..., i0] = fma(x0, c, -(x1 * s))
-    want[..., i1] = fma(x0, s, x1 * c)
-    got = np.asarray(kernels.norm_rope(x, None, 1e-6, jnp.asarray(cs), neox, norm=False))
-    np.testing.assert_array_equal(got, want)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want[..., i0] = fma(x0, c, -(x1 * s))
+        want[..., i1] = fma(x0, s, x1 * c)
+    for isa in each_isa:
+        kernels.set_isa(isa)
+        got = np.asarray(kernels.norm_rope(jnp.asarray(xs), None, 1e-6, jnp.asarray(cs), neox, norm=False))
+        np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)],
+                                      err_msg=isa)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), isa
 
 
 def test_residual_norm_kernel_matches_the_xla_layers():

@@ -863,10 +863,11 @@ namespace {
 // The rotation rounds as ggml's rope compiled by GCC (and XLA's fused rope) do: y0 = fma(x0, c, -(x1 s)),
 // y1 = fma(x0, s, x1 c). Spelled with explicit fmaf and not vectorised (GCC 12's SLP vectoriser otherwise makes its
 // own vfmaddsub choices, even under -ffp-contract=off). Cloned so that fmaf is the FMA instruction where the CPU has
-// one (the baseline build calls libm's fmaf: 3-4x slower here; both are the exact fused operation).
+// one (the baseline build calls libm's fmaf: 3-4x slower here; both are the exact fused operation). Pairs from
+// `from` on: the vector code below leaves it the pairs past its last whole vector.
 FUCINA_CLONES __attribute__((optimize("no-tree-vectorize"))) void rotate_pairs(float* y, const float* cs,
-                                                                               int64_t half, bool neox) {
-  for (int64_t i = 0; i < half; ++i) {
+                                                                               int64_t from, int64_t half, bool neox) {
+  for (int64_t i = from; i < half; ++i) {
     const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
     const float c = cs[2 * i], s = cs[2 * i + 1];
     const float x0 = y[a], x1 = y[b];
@@ -875,15 +876,69 @@ FUCINA_CLONES __attribute__((optimize("no-tree-vectorize"))) void rotate_pairs(f
   }
 }
 
+// rotate_pairs with vectors: the same two operations per pair, lane by lane (-(x1 s) is the rounded product with
+// its sign flipped, as the scalar negation), so every value has rotate_pairs' bits. NEOX pairs i and i + half: c
+// and s are split out of cs's (c, s) pairs; NORM pairs 2i, 2i + 1 sit in adjacent lanes: x0 and x1 are duplicated
+// into both lanes of their pair, and the pair's lanes take (c, s) and (s, c), the first's product negated.
+__attribute__((target("arch=x86-64-v4"))) void rotate_pairs_v4(float* y, const float* cs, int64_t half, bool neox) {
+  int64_t i = 0;
+  if (neox) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (; i + 16 <= half; i += 16) {
+      const __m512 lo = _mm512_loadu_ps(cs + 2 * i), hi = _mm512_loadu_ps(cs + 2 * i + 16);
+      const __m512 c = _mm512_permutex2var_ps(lo, even, hi), s = _mm512_permutex2var_ps(lo, odd, hi);
+      const __m512 x0 = _mm512_loadu_ps(y + i), x1 = _mm512_loadu_ps(y + i + half);
+      _mm512_storeu_ps(y + i, _mm512_fmadd_ps(x0, c, _mm512_xor_ps(_mm512_mul_ps(x1, s), sign)));
+      _mm512_storeu_ps(y + i + half, _mm512_fmadd_ps(x0, s, _mm512_mul_ps(x1, c)));
+    }
+  } else {
+    const __m512 first = _mm512_castsi512_ps(_mm512_set1_epi64(0x80000000LL));  // the sign of each pair's lane 0
+    for (; i + 8 <= half; i += 8) {
+      const __m512 v = _mm512_loadu_ps(y + 2 * i), csv = _mm512_loadu_ps(cs + 2 * i);
+      const __m512 x1s = _mm512_mul_ps(_mm512_movehdup_ps(v), _mm512_permute_ps(csv, 0xB1));  // (x1 s, x1 c)
+      _mm512_storeu_ps(y + 2 * i, _mm512_fmadd_ps(_mm512_moveldup_ps(v), csv, _mm512_xor_ps(x1s, first)));
+    }
+  }
+  rotate_pairs(y, cs, i, half, neox);
+}
+
+__attribute__((target("arch=x86-64-v3"))) void rotate_pairs_v3(float* y, const float* cs, int64_t half, bool neox) {
+  int64_t i = 0;
+  if (neox) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= half; i += 8) {
+      const __m256 lo = _mm256_loadu_ps(cs + 2 * i), hi = _mm256_loadu_ps(cs + 2 * i + 8);
+      // shuffle_ps takes the even (odd) lanes of each 128-bit half; permute4x64 puts the four halves in order
+      const __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xD8));
+      const __m256 s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xDD)), 0xD8));
+      const __m256 x0 = _mm256_loadu_ps(y + i), x1 = _mm256_loadu_ps(y + i + half);
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(x0, c, _mm256_xor_ps(_mm256_mul_ps(x1, s), sign)));
+      _mm256_storeu_ps(y + i + half, _mm256_fmadd_ps(x0, s, _mm256_mul_ps(x1, c)));
+    }
+  } else {
+    const __m256 first = _mm256_castsi256_ps(_mm256_set1_epi64x(0x80000000LL));
+    for (; i + 4 <= half; i += 4) {
+      const __m256 v = _mm256_loadu_ps(y + 2 * i), csv = _mm256_loadu_ps(cs + 2 * i);
+      const __m256 x1s = _mm256_mul_ps(_mm256_movehdup_ps(v), _mm256_permute_ps(csv, 0xB1));
+      _mm256_storeu_ps(y + 2 * i, _mm256_fmadd_ps(_mm256_moveldup_ps(v), csv, _mm256_xor_ps(x1s, first)));
+    }
+  }
+  rotate_pairs(y, cs, i, half, neox);
+}
+
 FUCINA_CLONES
 void norm_rope_row(const float* x, const float* w, int64_t Dh, float eps, bool norm, const float* cs,
-                   int64_t half, bool neox, float* y) {
+                   int64_t half, bool neox, float* y, int level) {
   if (norm) {
     norm_row(x, w, Dh, eps, y);
   } else {
-    for (int64_t d = 0; d < Dh; ++d) y[d] = x[d];
+    std::memcpy(y, x, static_cast<size_t>(Dh) * sizeof(float));
   }
-  rotate_pairs(y, cs, half, neox);
+  if (level == 4) return rotate_pairs_v4(y, cs, half, neox);
+  if (level == 3) return rotate_pairs_v3(y, cs, half, neox);
+  rotate_pairs(y, cs, 0, half, neox);
 }
 
 ffi::Error NormRopeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> cs,
@@ -897,11 +952,12 @@ ffi::Error NormRopeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::B
   const float* xp = x.typed_data();
   const float* wp = w.element_count() ? w.typed_data() : nullptr;
   float* yp = y->typed_data();
+  const int level = cpu_level();
   for (int64_t bt = 0; bt < B * T; ++bt)
     for (int64_t h = 0; h < H; ++h) {
       const int64_t r = bt * H + h;
       norm_rope_row(xp + r * Dh, wp, Dh, eps, norm != 0, cs.typed_data() + bt * 2 * half, half, neox != 0,
-                    yp + r * Dh);
+                    yp + r * Dh, level);
     }
   return ffi::Error::Success();
 }
