@@ -402,3 +402,28 @@ def test_f16_cache_keeps_rows_exact_and_tracks_f32(quantized, llama_ref):
         spec = generate_speculative(fast16, prompt, max_tokens=40, sampler=sampler, stop_ids=(), clock=False,
                                     options=SpecOptions(policy="gate", min_speedup=0.0, adapt_budget=False)).run()
         assert spec.tokens == plain.tokens and spec.spec["verify_steps"] > 0
+
+
+def test_step_profile_names_each_op_by_its_kernel(quantized):
+    """scripts/profile_step.py: the profiled events of the decoder's fused step are matched to its compiled program's
+    ops. Every FFI kernel of the step shows up by its target, with the same calls a step at every width (a layer's
+    kernels do not depend on the rows), and the step's matmuls run once per weight call of each layer."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "profile_step.py")
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fast, _, _ = quantized("qwen3", "Q8_0")
+    got = mod.profile(fast, (1, 4), prompt_len=20, ctx=64, steps=3)
+    n_layers = len(fast.params["layers"])
+    for w, kinds in got.items():
+        for kernel in ("fucina_qmatmul", "fucina_attention_write", "fucina_norm_rope", "fucina_residual_norm"):
+            assert kernel in kinds and kinds[kernel][0] > 0, (w, kernel, sorted(kinds))
+        assert kinds["fucina_attention_write"][1] == n_layers, (w, kinds["fucina_attention_write"])
+    ffi = lambda w: {k: n for k, (_, n) in got[w].items() if k.startswith("fucina_")}
+    assert ffi(1) == ffi(4)
+    assert "width 4: ops" in mod.report(got) and "fucina_qmatmul" in mod.report(got)
+    # a program's op names are its own: another step's events match nothing
+    assert mod.by_kind([{"ph": "X", "name": "fusion.123456", "dur": 5.0}], mod.op_kinds("%x.1 = f32[] add(...)"), 1) == {}
