@@ -17,6 +17,26 @@ os.environ.setdefault("FUCINA_JAX_NO_PERSIST", "1")
 
 
 @pytest.fixture(scope="session")
+def load_script():
+    """load_script("scripts/x.py") -> the repository's script as a module (registered in sys.modules under its own
+    name: dataclasses resolve string annotations through it), its main() not run."""
+    import importlib.util
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def load(relpath: str):
+        name = "fucina_script_" + relpath.replace("/", "_").removesuffix(".py")
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, relpath))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
+
+
+@pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gguf_fixtures")
 

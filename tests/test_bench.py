@@ -15,16 +15,10 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("fucina_bench_run", os.path.join(ROOT, "bench", "run.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_script):
+    return load_script("bench/run.py")
 
 
 SHORT_TASKS = {
@@ -136,7 +130,8 @@ def test_shipped_task_file(bench, fixture_path, load_model):
     assert [t.cls for t in quick] == list(bench.CLASSES)
 
 
-def test_replay_prices_a_model_with_its_own_measured_table(fixture_path, load_model, capsys, monkeypatch):
+def test_replay_prices_a_model_with_its_own_measured_table(fixture_path, load_model, load_script, capsys,
+                                                           monkeypatch):
     """bench/replay.py --cost-table MODEL=measure: the replay's prices come from the model's own probe (printed), one
     cost per verify bucket, not from the shipped table (Gemma 3's)."""
     from fucina_jax import engine
@@ -144,10 +139,7 @@ def test_replay_prices_a_model_with_its_own_measured_table(fixture_path, load_mo
     from fucina_jax.speculative import DEFAULT_COST_TABLE
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # bench/replay.py puts bench/ on it: undone after the test
-    spec = importlib.util.spec_from_file_location("fucina_bench_replay", os.path.join(ROOT, "bench", "replay.py"))
-    replay = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = replay
-    spec.loader.exec_module(replay)
+    replay = load_script("bench/replay.py")
     path = fixture_path("qwen3")
     options = replay.measured_prices(load_model(path), SamplerConfig(temperature=0.0, seed=0), 96)
     table = options.cost_table

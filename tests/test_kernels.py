@@ -874,19 +874,14 @@ def test_concurrent_callers_share_the_workers():
     assert after["calls_workers"] + after["calls_pool"] - before["calls_workers"] - before["calls_pool"] >= 96
 
 
-def test_kernel_cycles_harness_builds_and_reports():
+def test_kernel_cycles_harness_builds_and_reports(load_script):
     """scripts/bench_kernel_cycles.py: the kernels build alone (FUCINA_KERNEL_HARNESS, no Python module) and its
     harness reports every part: the peak rates, quantization per M and every (type, rows, weights) matmul cell."""
-    import importlib.util
     import shutil
 
     if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
         pytest.fail("no C++ compiler: the kernels themselves need one")
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                        "bench_kernel_cycles.py")
-    spec = importlib.util.spec_from_file_location("bench_kernel_cycles", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("scripts/bench_kernel_cycles.py")
     rows = mod.run(reps=2)
     peak = [r for r in rows if r["part"] == "peak"]
     assert len(peak) == 1 and peak[0]["ghz"] > 0.3 and peak[0]["isa"] == kernels.supported_isas()[0]

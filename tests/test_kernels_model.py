@@ -404,17 +404,11 @@ def test_f16_cache_keeps_rows_exact_and_tracks_f32(quantized, llama_ref):
         assert spec.tokens == plain.tokens and spec.spec["verify_steps"] > 0
 
 
-def test_step_profile_names_each_op_by_its_kernel(quantized):
+def test_step_profile_names_each_op_by_its_kernel(quantized, load_script):
     """scripts/profile_step.py: the profiled events of the decoder's fused step are matched to its compiled program's
     ops. Every FFI kernel of the step shows up by its target, with the same calls a step at every width (a layer's
     kernels do not depend on the rows), and the step's matmuls run once per weight call of each layer."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "profile_step.py")
-    spec = importlib.util.spec_from_file_location("profile_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("scripts/profile_step.py")
     fast, _, _ = quantized("qwen3", "Q8_0")
     got = mod.profile(fast, (1, 4), prompt_len=20, ctx=64, steps=3)
     n_layers = len(fast.params["layers"])
@@ -426,4 +420,5 @@ def test_step_profile_names_each_op_by_its_kernel(quantized):
     assert ffi(1) == ffi(4)
     assert "width 4: ops" in mod.report(got) and "fucina_qmatmul" in mod.report(got)
     # a program's op names are its own: another step's events match nothing
-    assert mod.by_kind([{"ph": "X", "name": "fusion.123456", "dur": 5.0}], mod.op_kinds("%x.1 = f32[] add(...)"), 1) == {}
+    other = mod.op_kinds("%x.1 = f32[] add(...)")
+    assert mod.by_kind([{"ph": "X", "name": "fusion.123456", "dur": 5.0}], other, 1) == {}
