@@ -39,6 +39,7 @@ sampled), MAX_TOKENS, CONTEXT (the context is full); the chat driver adds STOP_S
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Container, Iterable, Sequence
 
 import jax
@@ -357,7 +358,7 @@ class Decoder:
         self._pushed = None  # the last step's samples [B, N] (device) and how many of each row's were committed:
         self._n_pushed = np.zeros(self.B, np.int32)  # the next step pushes them into the history, fused
         self._sparams = None  # SamplerParams with [B] leaves
-        # the sampler's static candidate cap: the widest any row needs (SamplerConfig.candidate_cap)
+        # the sampler's static candidate cap: one that serves every row (SamplerConfig.candidate_cap, widen_cap)
         self._cap = sampling.GREEDY_UNPENALIZED
         self._window = 0  # the history window: the longest any row needs (each row cuts it to its own)
         self._buf = np.zeros(MAX_DRAFT, np.int32)  # sources draft into this
@@ -871,7 +872,7 @@ class Decoder:
         host streams (nothing left pending), widening the static cap and window if a row needs more."""
         V = self.model.config.n_vocab
         samplers = [r.sampler for r in self.rows if r is not None]
-        self._cap = max([self._cap, *(s.candidate_cap(V) for s in samplers)])
+        self._cap = functools.reduce(sampling.widen_cap, (s.candidate_cap(V) for s in samplers), self._cap)
         self._window = max([self._window, *(s.history_capacity(self.ctx) for s in samplers)])
         # a free row rides along with another row's sampler values
         self._sparams = _stack([(r.sampler if r is not None else samplers[0]).params() for r in self.rows])

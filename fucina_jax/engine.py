@@ -292,6 +292,20 @@ def _sample(logits, positions, history: sampling.History, drafts, sparams: sampl
     return jax.lax.map(row, (logits, positions, tuple(history), drafts, tuple(sparams)))
 
 
+def _sample_candidates(picks, vals, ids, positions, sparams: sampling.SamplerParams, n_vocab: int):
+    """sampling.sample_candidates for each row b, as _sample runs sample_rows: picks [B, R], vals / ids [B, R, C],
+    positions [B, R], sparams with a leading batch axis; int32 [B, R]."""
+    if picks.shape[0] == 1:
+        one = jax.tree_util.tree_map(lambda x: x[0], (picks, vals, ids, positions, sparams))
+        return sampling.sample_candidates(*one, n_vocab)[None]
+
+    def row(x):
+        p, v, i, pos, sp = x
+        return sampling.sample_candidates(p, v, i, pos, sampling.SamplerParams(*sp), n_vocab)
+
+    return jax.lax.map(row, (picks, vals, ids, positions, tuple(sparams)))
+
+
 def push_rows(history: sampling.History, new: jax.Array, n_new: jax.Array) -> sampling.History:
     """Each row's window gets its own count of new tokens: new [B, N], n_new [B] (a plain function: traced inside
     decode_sample_step, or run eagerly to inspect a decoder's state)."""
@@ -413,12 +427,15 @@ def decode_sample_rows_step(params, tokens: jax.Array, drafts: jax.Array, rows: 
     if parents is not None:
         cache = on_tree(cache, masks)
     h, cache = forward_hidden(params, tokens, in_pos, cache, cfg)
-    # Greedy with neutral penalties, and no hook wants the logits: the output layer's kernel picks each row's token
-    # (and its recycling candidates) without writing the logits out.
-    picked = unembed_pick(params, h, cfg, TOPK_FEEDBACK if wants_topk else 0) \
-        if cap == sampling.GREEDY_UNPENALIZED and not with_logits else None
+    # Neutral penalties (greedy, or sampled with top-k on), and no hook wants the logits: the output layer's kernel
+    # picks each row's token, or the sampler's candidates, and the recycling candidates, without writing the logits.
+    fused = sampling.fused_candidates(cap)
+    picked = unembed_pick(params, h, cfg, TOPK_FEEDBACK if wants_topk else 0, fused) \
+        if fused is not None and not with_logits else None
     if picked is not None:
-        sampled, topk = picked
+        sampled, topk, cands = picked
+        if cands is not None:
+            sampled = _sample_candidates(sampled, *cands, in_pos + 1, step_sparams, cfg.n_vocab)
         return _padded(sampled), history, None, (topk if wants_topk else None), cache
     # one row: unembedded as [k, D], the shape a lone decode/verify row has always had (row-exact either way)
     logits = unembed(params, h[0], cfg)[None] if n == 1 else unembed(params, h, cfg)

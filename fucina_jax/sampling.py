@@ -66,12 +66,16 @@ __all__ = [
     "row_windows",
     "penalize",
     "filter_mask",
+    "fused_candidates",
+    "logits_cap",
     "greedy_pick",
     "position_uniform",
     "sample_rows",
     "sample_row",
+    "sample_candidates",
     "token_probs",
     "top_k",
+    "widen_cap",
 ]
 
 
@@ -91,6 +95,33 @@ TOP_K_OFF_CAP = 1024
 # FUCINA_FUSED_PICK=0 (read at import) keeps every greedy step on the logits path: the same tokens, for measuring.
 GREEDY_UNPENALIZED = -1
 _FUSED_PICK = os.environ.get("FUCINA_FUSED_PICK", "1") != "0"
+
+# Caps below -1 are sampled configs whose penalties are neutral and whose top-k is on: cap -c means that the top c
+# candidates of the raw logits (c >= 2, a power of two, below the vocabulary, at least top_k) decide every token, so
+# the decoder's step may take them in the output layer's kernel too (engine.decode_sample_rows_step,
+# sample_candidates). Where logits are at hand instead, such a cap samples as cap c does (logits_cap): the same tokens.
+
+
+def fused_candidates(cap: int) -> int | None:
+    """The candidates a fused step takes in the output layer's kernel for this cap: 0 for GREEDY_UNPENALIZED (the
+    pick alone), c for a fused sampled cap -c, None when the step needs the logits."""
+    if cap == GREEDY_UNPENALIZED:
+        return 0
+    return -cap if cap < GREEDY_UNPENALIZED else None
+
+
+def logits_cap(cap: int) -> int:
+    """The cap that samples logits as `cap` does: -c -> c (GREEDY_UNPENALIZED and caps >= 0 are themselves)."""
+    return -cap if cap < GREEDY_UNPENALIZED else cap
+
+
+def widen_cap(a: int, b: int) -> int:
+    """A cap that gives the tokens of both caps' configs: two fused caps stay fused (the wider candidate count;
+    a fused sampled step picks greedy rows by the same argmax), otherwise the logits path with the wider count."""
+    ca, cb = fused_candidates(a), fused_candidates(b)
+    if ca is not None and cb is not None:
+        return -max(ca, cb) if max(ca, cb) else GREEDY_UNPENALIZED
+    return max(logits_cap(a), logits_cap(b))
 
 # Penalty windows up to this many slots count repeats pairwise ([R, H, H]); longer ones use a vocab histogram.
 _PAIRWISE_MAX_WINDOW = 256
@@ -202,13 +233,16 @@ class SamplerConfig:
         full sort of the vocab). Any cap gives the same tokens; it only sets the cost. A greedy config
         (temperature <= 0) gets 0: the compiled step then holds only the argmax, not the sampling pipeline (whose
         tracing and lowering alone take ~0.3 s at start-up), or GREEDY_UNPENALIZED (-1) when its penalties are neutral
-        too: the argmax of the raw logits. Caps only widen (a decoder steps with the largest its rows need), and
-        every cap a config can be widened to gives its tokens."""
+        too: the argmax of the raw logits. A sampled config with neutral penalties and top-k on gets -cap (see
+        fused_candidates). Caps only widen (a decoder steps with widen_cap of its rows' caps), and every cap a
+        config can be widened to gives its tokens."""
         if self.temperature <= 0.0:
             return GREEDY_UNPENALIZED if self.penalties_neutral and _FUSED_PICK else 0
         if self.top_k <= 0:
             return min(int(n_vocab), TOP_K_OFF_CAP)
-        return min(int(n_vocab), _pow2_at_least(self.top_k))
+        cap = min(int(n_vocab), _pow2_at_least(self.top_k))
+        # neutral penalties: the top `cap` raw logits decide the token (fused_candidates)
+        return -max(cap, 2) if self.penalties_neutral and _FUSED_PICK and max(cap, 2) < n_vocab else cap
 
     def history_capacity(self, n_ctx: int) -> int:
         """Static window size that holds the last repeat_last_n tokens (the whole context for -1), never more than
@@ -362,7 +396,7 @@ def _survivors(row, V: int, vals, params: SamplerParams, split: int):
     """Top-k, top-p and min-p as a prefix length of the descending order.
 
     vals [R, C] are the C largest of logits [R, V], descending; row() returns the logits [R, V] (called only where
-    top-p needs the whole row's normaliser, top-k off). Returns n_keep [R] (survivors = the first n_keep) and
+    top-p needs the whole row's normaliser, top-k off; row None: the caller knows top-k is on). Returns n_keep [R] (survivors = the first n_keep) and
     exact [R]: whether C entries were enough to decide (else the caller redoes the row with C = V).
     """
     C = vals.shape[-1]
@@ -382,8 +416,8 @@ def _survivors(row, V: int, vals, params: SamplerParams, split: int):
     prefix_total = jnp.take_along_axis(cum_e, jnp.clip(n0 - 1, 0, C - 1)[:, None], axis=-1)[:, 0]
     # With top-k off the normaliser is the whole row's: one pass over the vocab, skipped when not needed. Computed
     # the same way at every width, so the full-sort path reproduces the fast path's cut bit for bit.
-    total = jax.lax.cond(whole_row & (params.top_p < 1.0),
-                         lambda: jnp.sum(jnp.exp(row() - mx), axis=-1), lambda: prefix_total)
+    total = prefix_total if row is None else jax.lax.cond(
+        whole_row & (params.top_p < 1.0), lambda: jnp.sum(jnp.exp(row() - mx), axis=-1), lambda: prefix_total)
     cum = _cumsum_split(e / total[:, None], split)
     reach = (cum >= params.top_p) & (j + 1 >= params.min_keep) & live0
     n1 = jnp.where(jnp.any(reach, axis=-1), jnp.argmax(reach, axis=-1) + 1, n0)
@@ -521,7 +555,7 @@ def _by_row(fn, logits, history, drafts, params, *extra):
 def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The survivors of penalties -> top-k -> top-p -> min-p for each row of logits [R, V], bool [R, V]."""
     V = logits.shape[-1]
-    cap = cap if cap > 0 else min(V, TOP_K_OFF_CAP)  # a greedy config's cap sorts nothing; the filters need some
+    cap = logits_cap(cap) if logits_cap(cap) > 0 else min(V, TOP_K_OFF_CAP)  # a greedy config's cap sorts nothing; the filters need some
 
     def row(penalised):
         def finish(vals, ids, n, split):
@@ -547,6 +581,7 @@ def sample_rows(
     history + drafts[:i] (drafts int32 [R]: drafts[i] is the proposal row i is checked against, so the last entry
     is never read; None = every row sees only `history`). `cap` = SamplerConfig.candidate_cap. Returns int32 [R]."""
     R, V = logits.shape
+    cap = logits_cap(cap)
     if cap == GREEDY_UNPENALIZED:  # greedy, penalties neutral (SamplerConfig.candidate_cap): the raw argmax
         return greedy_pick(logits.astype(jnp.float32))
     if R * V * 4 > _BATCH_BYTES:
@@ -593,6 +628,28 @@ def _sample_by_row(logits, positions, history, drafts, params, cap):
     return _by_row(row, logits, history, drafts, params, position_uniform(params.seed, positions))
 
 
+def sample_candidates(picks: jax.Array, vals: jax.Array, ids: jax.Array, positions: jax.Array, params: SamplerParams,
+                      n_vocab: int) -> jax.Array:
+    """sample_rows' tokens from the output layer's fused selections (kernels.qlinear_candidates), for rows whose
+    config has a fused cap (fused_candidates): picks int32 [R] the raw argmax, vals / ids [R, C] the C largest raw
+    logits with the -0.0 fold. Neutral penalties leave the logits as they are and top-k keeps at most C, so these
+    decide every token, through the very code sample_rows runs on the same candidates: a row's token is bitwise the
+    one sampling its logits gives. Returns int32 [R]."""
+    R, C = vals.shape
+    u = position_uniform(params.seed, positions)
+
+    def sampled():
+        def one(i):
+            finish = partial(_draw, u=u[i][None], temperature=params.temperature)
+            v, d = (jax.lax.dynamic_slice_in_dim(t, i, 1) for t in (vals, ids))
+            n, _ = _survivors(None, n_vocab, v, params, C)  # top-k on, within C: always decided
+            return finish(v, d, n, C)[0]
+
+        return jax.lax.map(one, jnp.arange(R))
+
+    return jax.lax.cond(params.temperature > 0.0, sampled, lambda: picks)
+
+
 def sample_row(logits: jax.Array, position, history: History, params: SamplerParams, *, cap: int) -> jax.Array:
     """One row: the token committed at `position` given logits [V] and the committed history. Returns int32 []."""
     pos = jnp.asarray(position, jnp.int32).reshape(1)
@@ -603,7 +660,7 @@ def sample_row(logits: jax.Array, position, history: History, params: SamplerPar
 def token_probs(logits, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The distribution each row is sampled from, float32 [R, V] (one-hot on the greedy pick for T <= 0)."""
     V = logits.shape[-1]
-    cap = cap if cap > 0 else min(V, TOP_K_OFF_CAP)
+    cap = logits_cap(cap) if logits_cap(cap) > 0 else min(V, TOP_K_OFF_CAP)
 
     def row(penalised):
         def finish(vals, ids, n, split):

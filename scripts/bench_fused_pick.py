@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""The greedy step with the output layer's fused pick against the same step through the logits, side by side.
+"""The step with the output layer's fused pick against the same step through the logits, side by side.
 
 A greedy sampler with neutral penalties (SamplerConfig.candidate_cap = GREEDY_UNPENALIZED) takes each row's token
 and its recycling candidates in the output layer's kernel (kernels.qlinear_pick) instead of writing the logits
-[rows, V], penalising them and selecting from them. Both paths give the same tokens (tests/test_fused_pick.py); this
-times them: engine.decode_sample_step at every width, with and without the top-K recycling feedback (a speculative
-decoder's verify asks for it), fused (cap -1) and through the logits (cap 0: the penalised greedy path with neutral
-values, what every greedy step ran before), on one cache state. The calls of all arms are shuffled within each
-repetition and each arm keeps the median, so machine load hits every arm alike. Printed: each arm's ms, its cost in
-plain steps of its own path (the verify-cost table's C(w)), and logits/fused.
+[rows, V], penalising them and selecting from them; a sampled one with neutral penalties and top-k on (cap -c) takes
+its top c candidates there (kernels.qlinear_candidates) and samples from those. Both paths give the same tokens
+(tests/test_fused_pick.py); this times them: engine.decode_sample_step at every width, with and without the top-K
+recycling feedback (a speculative decoder's verify asks for it), fused and through the logits (greedy: cap 0, the
+penalised greedy path with neutral values, what every greedy step ran before; sampled: cap c), on one cache state.
+The calls of all arms are shuffled within each repetition and each arm keeps the median, so machine load hits every
+arm alike. Printed: each arm's ms, its cost in plain steps of its own path (the verify-cost table's C(w)), and
+logits/fused.
 
-    python scripts/bench_fused_pick.py [model.gguf] [--ctx 1024] [--prompt-len 300] [--reps 15]
+    python scripts/bench_fused_pick.py [model.gguf] [--ctx 1024] [--prompt-len 300] [--reps 15] [--temperature 0.8]
 """
 
 from __future__ import annotations
@@ -28,13 +30,22 @@ from fucina_jax.sampling import GREEDY_UNPENALIZED, SamplerConfig
 
 def main(argv=None) -> None:
     ap = _step_probe.parser(__doc__, reps=15)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy steps; > 0: sampled steps with the CLI's other defaults (top-k 40)")
     args = _step_probe.parse(ap, argv)
+    if args.temperature < 0:
+        ap.error("--temperature must be >= 0")
 
     model = fucina_jax.load(args.model)
     V = model.config.n_vocab
+    cfg = SamplerConfig(temperature=args.temperature, seed=0)
+    fused = cfg.candidate_cap(V)
+    if sampling.fused_candidates(fused) is None:
+        ap.error(f"this sampler's steps have no fused path (cap {fused}): FUCINA_FUSED_PICK=0, or a vocabulary of "
+                 f"{V} that top-k {cfg.top_k} does not fit under")
+    caps = (fused, 0 if fused == GREEDY_UNPENALIZED else sampling.logits_cap(fused))  # (fused, through the logits)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, V, args.prompt_len).astype(np.int32)
-    cfg = SamplerConfig(temperature=0, seed=0)
     one = lambda tree: jax.device_put(jax.tree_util.tree_map(lambda x: np.asarray(x)[None], tree))
     history = one(sampling.history_from_tokens(prompt.tolist(), cfg.history_capacity(args.ctx)))
     sparams = one(cfg.params())
@@ -54,18 +65,19 @@ def main(argv=None) -> None:
         state[0] = out[4]
         return time.perf_counter() - t0
 
-    arms = [(w, cap, topk) for w in engine.STEP_WIDTHS for topk in (False, True) for cap in (GREEDY_UNPENALIZED, 0)]
+    arms = [(w, cap, topk) for w in engine.STEP_WIDTHS for topk in (False, True) for cap in caps]
     times = _step_probe.time_shuffled(arms, call, args.reps, rng)
     ms = {arm: 1e3 * float(np.median(t)) for arm, t in times.items()}
-    plain = {cap: ms[1, cap, False] for cap in (GREEDY_UNPENALIZED, 0)}
-    print(f"{model.path.split('/')[-1]}: greedy steps, {args.prompt_len} cached tokens, ctx {args.ctx}, "
+    plain = {cap: ms[1, cap, False] for cap in caps}
+    kind = "greedy" if cfg.greedy else f"sampled (T {cfg.temperature}, top-k {cfg.top_k}, fused cap {fused})"
+    print(f"{model.path.split('/')[-1]}: {kind} steps, {args.prompt_len} cached tokens, ctx {args.ctx}, "
           f"medians of {args.reps} shuffled repetitions")
     print("width  top-K   logits ms  C(w)    fused ms  C(w)   logits/fused")
     for w in engine.STEP_WIDTHS:
         for topk in (False, True):
-            u, f = ms[w, 0, topk], ms[w, GREEDY_UNPENALIZED, topk]
-            print(f"{w:5d}  {'yes' if topk else 'no':5}  {u:9.2f}  {u / plain[0]:4.2f}  {f:9.2f}  {f / plain[GREEDY_UNPENALIZED]:4.2f}"
-                  f"   {u / f:6.3f}x")
+            u, f = ms[w, caps[1], topk], ms[w, fused, topk]
+            print(f"{w:5d}  {'yes' if topk else 'no':5}  {u:9.2f}  {u / plain[caps[1]]:4.2f}  {f:9.2f}  "
+                  f"{f / plain[fused]:4.2f}   {u / f:6.3f}x")
 
 
 if __name__ == "__main__":

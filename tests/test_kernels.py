@@ -706,6 +706,16 @@ def test_top_k_kernel_equals_lax_top_k():
             where = (trial, R, V, k, fold)
             assert np.array_equal(np.asarray(got_i), np.asarray(want_i)), where
             assert np.array_equal(np.asarray(got_v).view(np.uint32), np.asarray(want_v).view(np.uint32)), where
+    # the scan's buffer (cut back to the k best at 2k): ascending rows (every value enters), descending rows (none
+    # after the first k), and runs of equal values across the cuts
+    up = np.arange(4099, dtype=np.float32)
+    for row in (up, up[::-1].copy(), np.repeat(np.arange(41, dtype=np.float32), 100)[:4099]):
+        x = jnp.asarray(np.stack([row, -row]))
+        for k in (1, 8, 64, 200):
+            want_v, want_i = jax.lax.top_k(x, k)
+            got_v, got_i = top_k(x, k, False)
+            assert np.array_equal(np.asarray(got_i), np.asarray(want_i)), k
+            assert np.array_equal(np.asarray(got_v), np.asarray(want_v)), k
     with pytest.raises(ValueError, match="k = 0"):
         kernels.top_k(jnp.zeros((2, 8)), 0)
 
@@ -745,7 +755,8 @@ def test_selections_under_vmap():
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q5_1], ids=lambda t: t.name)
 def test_fused_pick_is_the_argmax_and_top_k_of_the_product(qtype, each_isa):
-    """qlinear_pick == (argmax, top_k ids) of qlinear's values, bitwise, on every instruction set: row counts that
+    """qlinear_pick == (argmax, top_k ids) of qlinear's values, and qlinear_candidates' sampler candidates == top_k
+    with the -0.0 fold (values and ids), bitwise, on every instruction set: row counts that
     slice the columns differently, n not a multiple of 16, k from 0 to past a slice's width, equal logits in
     different slices (duplicated weight rows: the lower id wins), an all-zero row (every logit equal) and rows
     poisoned to NaN by a non-finite input."""
@@ -760,6 +771,7 @@ def test_fused_pick_is_the_argmax_and_top_k_of_the_product(qtype, each_isa):
     # rows along a duplicated weight row: its two equal logits are (almost surely) the row's largest
     along = dequantize(raw.reshape(-1), qtype, (n, k_in))[[src for src, _ in pairs]]
     pick = jax.jit(kernels.qlinear_pick, static_argnums=2)
+    cands = jax.jit(kernels.qlinear_candidates, static_argnums=(2, 3))
     for isa in each_isa:
         kernels.set_isa(isa)
         for M in (1, 3, 16, 40):
@@ -776,10 +788,22 @@ def test_fused_pick_is_the_argmax_and_top_k_of_the_product(qtype, each_isa):
                 assert top.shape == (M, k), where
                 if k:
                     assert np.array_equal(np.asarray(top), np.asarray(jax.lax.top_k(y, k)[1])), where
+            # a sampler's candidates beside them: top_k with the -0.0 fold, values and ids
+            folded = jnp.where(y == 0.0, jnp.float32(0.0), y)
+            for k, c in ((8, 2), (0, 64), (8, n)):  # n: every value, negatives and NaNs too
+                ids, top, vals, cids = cands(jnp.asarray(x), w, k, c)
+                where = (isa, M, k, c)
+                assert np.array_equal(np.asarray(ids), np.asarray(kernels.argmax(y))), where
+                assert np.array_equal(np.asarray(top), np.asarray(jax.lax.top_k(y, k)[1])), where
+                want_v, want_i = jax.lax.top_k(folded, c)
+                assert np.array_equal(np.asarray(cids), np.asarray(want_i)), where
+                assert np.asarray(vals).tobytes() == np.asarray(want_v).tobytes(), where  # NaN payloads, +0.0
         zero = np.asarray(pick(jnp.zeros((1, k_in)), w, 8)[1])
         assert zero.tolist() == [list(range(8))]  # all equal: the lowest ids, in order
     with pytest.raises(ValueError, match="k = 3002"):
         kernels.qlinear_pick(jnp.zeros((1, k_in)), w, n + 1)
+    with pytest.raises(ValueError, match="c = 3002"):
+        kernels.qlinear_candidates(jnp.zeros((1, k_in)), w, 0, n + 1)
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)

@@ -130,11 +130,13 @@ def test_edge_values_are_valid():
 
 
 def test_static_shapes_are_buckets():
-    assert SamplerConfig(top_k=40).candidate_cap(262144) == 64
-    assert SamplerConfig(top_k=33).candidate_cap(262144) == 64
-    assert SamplerConfig(top_k=1).candidate_cap(262144) == 1
-    assert SamplerConfig(top_k=500).candidate_cap(300) == 300
+    pen = dict(repeat_penalty=1.1)  # penalties on: the logits path's caps (neutral ones are fused: test_fused_pick)
+    assert SamplerConfig(top_k=40, **pen).candidate_cap(262144) == 64
+    assert SamplerConfig(top_k=33, **pen).candidate_cap(262144) == 64
+    assert SamplerConfig(top_k=1, **pen).candidate_cap(262144) == 1
+    assert SamplerConfig(top_k=500, **pen).candidate_cap(300) == 300
     assert SamplerConfig(top_k=0).candidate_cap(262144) == 1024
+    assert SamplerConfig(top_k=33).candidate_cap(262144) == -64
     assert SamplerConfig(repeat_last_n=64).history_capacity(4096) == 64
     assert SamplerConfig(repeat_last_n=65).history_capacity(4096) == 128
     assert SamplerConfig(repeat_last_n=-1).history_capacity(4096) == 4096

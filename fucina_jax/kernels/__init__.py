@@ -29,8 +29,8 @@ from fucina_jax.kernels.pack import LANES, PACKED_TYPES, QBLOCK, aligned_empty, 
 
 __all__ = ["FLOAT_TYPES", "FWeight", "KERNEL_WEIGHTS", "PACKED_TYPES", "QWeight", "argmax", "attention",
            "attention_write", "available", "concat_weights", "expert_linear", "isa", "pack_experts", "pack_weight",
-           "packable", "norm_rope", "qlinear", "qlinear_pick", "residual_norm", "rms_norm", "set_isa", "supported_isas", "take_rows",
-           "threads", "top_k"]
+           "packable", "norm_rope", "qlinear", "qlinear_candidates", "qlinear_pick", "residual_norm", "rms_norm",
+           "set_isa", "supported_isas", "take_rows", "threads", "top_k"]
 
 TARGET = "fucina_qmatmul"
 EXPERTS_TARGET = "fucina_qmatmul_experts"
@@ -241,16 +241,26 @@ def qlinear_pick(x: jax.Array, w: QWeight, k: int) -> tuple[jax.Array, jax.Array
     """(argmax(qlinear(x, w)), top_k(qlinear(x, w), k)[1]) without the product ever being written out: the greedy
     pick of each row (int32 [...]) and the ids of its k largest values (int32 [..., k]; k = 0 gives [..., 0]), both
     bitwise what argmax and top_k answer on qlinear's values (qmatmul.cc, fucina_qmatmul_select)."""
+    return qlinear_candidates(x, w, k, 0)[:2]
+
+
+def qlinear_candidates(x: jax.Array, w: QWeight, k: int, c: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """qlinear_pick's (pick, top-k ids) and a sampler's candidates: top_k(qlinear(x, w), c, fold_zero=True), the c
+    largest values (float32 [..., c], -0.0 returned as +0.0) and their ids (int32 [..., c]), bitwise what top_k
+    answers on qlinear's values, again without the product being written out."""
     _register()
-    if not 0 <= k <= w.n:
-        raise ValueError(f"qlinear_pick: k = {k} must be in [0, {w.n}]")
+    if not (0 <= k <= w.n and 0 <= c <= w.n):
+        raise ValueError(f"qlinear_candidates: k = {k} and c = {c} must be in [0, {w.n}]")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).astype(jnp.float32)
     M = x2.shape[0]
-    ids, top = jax.ffi.ffi_call(SELECT_TARGET, (jax.ShapeDtypeStruct((M,), jnp.int32),
-                                                jax.ShapeDtypeStruct((M, k), jnp.int32)))(
-        x2, w.q, w.a, w.c, bs=np.int64(w.bs), n_pad=np.int64(w.q.shape[0] * LANES), n=np.int64(w.n), k=np.int64(k))
-    return ids.reshape(lead), top.reshape(*lead, k)
+    ids, top, vals, cids = jax.ffi.ffi_call(SELECT_TARGET, (jax.ShapeDtypeStruct((M,), jnp.int32),
+                                                            jax.ShapeDtypeStruct((M, k), jnp.int32),
+                                                            jax.ShapeDtypeStruct((M, c), jnp.float32),
+                                                            jax.ShapeDtypeStruct((M, c), jnp.int32)))(
+        x2, w.q, w.a, w.c, bs=np.int64(w.bs), n_pad=np.int64(w.q.shape[0] * LANES), n=np.int64(w.n), k=np.int64(k),
+        c=np.int64(c))
+    return ids.reshape(lead), top.reshape(*lead, k), vals.reshape(*lead, c), cids.reshape(*lead, c)
 
 
 def expert_linear(x: jax.Array, ids: jax.Array, w: QWeight) -> jax.Array:

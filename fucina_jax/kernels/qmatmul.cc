@@ -36,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -832,9 +833,11 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }
 
 
-// The output layer with the greedy pick and the recycling candidates fused in: for each row r of x [M, K],
-//     ids[r]     = fucina_argmax over the first n columns of row r of x . W^T (select.cc's rule), and
-//     top[r, :k] = the ids of fucina_top_k of the same n values, k largest first (no -0.0 fold),
+// The output layer with the greedy pick, the recycling candidates and a sampler's candidates fused in: for each row r
+// of x [M, K],
+//     ids[r]     = fucina_argmax over the first n columns of row r of x . W^T (select.cc's rule),
+//     top[r, :k] = the ids of fucina_top_k of the same n values, k largest first (no -0.0 fold), and
+//     cvals[r, :c], cids[r, :c] = fucina_top_k of the same n values with the -0.0 fold (values and ids),
 // where the values are those fucina_qmatmul computes, bit for bit. The [M, n] product is never written out: the
 // column groups are computed a slice at a time into a buffer that stays in cache and are selected from there, and
 // each slice's winners are merged in the selections' total order (key, then lower id), so the answer does not
@@ -842,14 +845,18 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // writing, faulting in and re-reading M x n floats (M x 1 MiB at a 262k vocabulary).
 ffi::Error QMatmulSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
                              ffi::AnyBuffer wa, ffi::AnyBuffer wc, ffi::ResultBuffer<ffi::S32> ids,
-                             ffi::ResultBuffer<ffi::S32> top, int64_t bs, int64_t n_pad, int64_t n, int64_t k) {
+                             ffi::ResultBuffer<ffi::S32> top, ffi::ResultBuffer<ffi::F32> cvals,
+                             ffi::ResultBuffer<ffi::S32> cids, int64_t bs, int64_t n_pad, int64_t n, int64_t k,
+                             int64_t c) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("fucina_qmatmul_select: x must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = n_pad;
-  if (n < 1 || n > N || k < 0 || k > n)
-    return ffi::Error::InvalidArgument("fucina_qmatmul_select: n must be in [1, n_pad] and k in [0, n]");
-  if (static_cast<int64_t>(ids->element_count()) != M || static_cast<int64_t>(top->element_count()) != M * k)
-    return ffi::Error::InvalidArgument("fucina_qmatmul_select: outputs must be ids [M] and top [M, k]");
+  if (n < 1 || n > N || k < 0 || k > n || c < 0 || c > n)
+    return ffi::Error::InvalidArgument("fucina_qmatmul_select: n must be in [1, n_pad], k and c in [0, n]");
+  if (static_cast<int64_t>(ids->element_count()) != M || static_cast<int64_t>(top->element_count()) != M * k ||
+      static_cast<int64_t>(cvals->element_count()) != M * c || static_cast<int64_t>(cids->element_count()) != M * c)
+    return ffi::Error::InvalidArgument(
+        "fucina_qmatmul_select: outputs must be ids [M], top [M, k], cvals [M, c] and cids [M, c]");
   Weights w;
   if (ffi::Error e = make_weights(wq, wa, wc, K, N, bs, &w); e.failure()) return e;
   if (M == 0) return ffi::Error::Success();
@@ -863,13 +870,16 @@ ffi::Error QMatmulSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const int64_t S = (G + per_slice - 1) / per_slice;
   using Entry = std::pair<int32_t, int32_t>;  // (total_key, column)
   constexpr Entry kNone = {INT32_MIN, -1};    // a slice with nothing but NaNs
-  // Each chunk of slices keeps one running selection per row; its winners go to the entry of its first slice.
+  // Each chunk of slices keeps one running selection per row; its argmax goes to the entry of its first slice,
   std::vector<Entry> best(S * M, kNone);
-  std::vector<Entry> tops(S * M * k, kNone);
+  // and its top-k winners go to the rows' lists (chunks in any order: the merge sorts them in the total order).
+  std::vector<std::vector<int64_t>> won(M), cwon(M);  // fucina::ranked pairs
+  std::mutex won_lock;
   fucina::parallel_for(pool, S, [&](int64_t s0, int64_t s1) {
     std::vector<float> buf(M * per_slice * kLanes);
-    std::vector<fucina::TopKScan> scans(k ? M : 0);
+    std::vector<fucina::TopKScan> scans(k ? M : 0), cscans(c ? M : 0);
     for (auto& t : scans) t.reset(k, 0);
+    for (auto& t : cscans) t.reset(c, 1);
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t g0 = s * per_slice, gs = std::min(G, g0 + per_slice) - g0, ldo = gs * kLanes;
       const Weights ws = from_group(w, g0);
@@ -883,14 +893,18 @@ ffi::Error QMatmulSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
         Entry& b = best[s0 * M + r];
         if (!std::isnan(row[a]) && (b.second < 0 || fucina::ranks_before(e, b))) b = e;
         if (k) fucina::top_k_scan(scans[r], row, cols, c0);
+        if (c) fucina::top_k_scan(cscans[r], row, cols, c0);
       }
     }
+    for (auto& t : scans) t.finish();
+    for (auto& t : cscans) t.finish();
+    std::lock_guard<std::mutex> hold(won_lock);
     for (int64_t r = 0; r < static_cast<int64_t>(scans.size()); ++r)
-      for (size_t j = 0; j < scans[r].heap.size(); ++j) tops[(s0 * M + r) * k + j] = scans[r].heap[j];
+      won[r].insert(won[r].end(), scans[r].kept.begin(), scans[r].kept.end());
+    for (int64_t r = 0; r < static_cast<int64_t>(cscans.size()); ++r)
+      cwon[r].insert(cwon[r].end(), cscans[r].kept.begin(), cscans[r].kept.end());
   }, 1);
   int32_t* idp = ids->typed_data();
-  int32_t* tp = top->typed_data();
-  std::vector<Entry> cand;
   for (int64_t r = 0; r < M; ++r) {
     Entry b = kNone;
     for (int64_t s = 0; s < S; ++s) {
@@ -898,13 +912,19 @@ ffi::Error QMatmulSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
       if (e.second >= 0 && (b.second < 0 || fucina::ranks_before(e, b))) b = e;
     }
     idp[r] = b.second >= 0 ? b.second : static_cast<int32_t>(n - 1);  // every value NaN: n - 1, as fucina_argmax
-    if (k == 0) continue;
-    cand.clear();
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t j = 0; j < k; ++j)
-        if (tops[(s * M + r) * k + j].second >= 0) cand.push_back(tops[(s * M + r) * k + j]);
-    std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), fucina::ranks_before);
-    for (int64_t j = 0; j < k; ++j) tp[r * k + j] = cand[j].second;
+    if (k) {
+      std::partial_sort(won[r].begin(), won[r].begin() + k, won[r].end(), std::greater<int64_t>());
+      for (int64_t j = 0; j < k; ++j) top->typed_data()[r * k + j] = fucina::ranked_index(won[r][j]);
+    }
+    if (c) {  // each value back from its key (total_key is its own inverse; a folded -0.0 comes back as +0.0, as
+              // fucina_top_k returns it)
+      std::partial_sort(cwon[r].begin(), cwon[r].begin() + c, cwon[r].end(), std::greater<int64_t>());
+      for (int64_t j = 0; j < c; ++j) {
+        const int32_t key = fucina::ranked_key(cwon[r][j]), bits = key ^ ((key >> 31) & 0x7FFFFFFF);
+        std::memcpy(cvals->typed_data() + r * c + j, &bits, 4);
+        cids->typed_data()[r * c + j] = fucina::ranked_index(cwon[r][j]);
+      }
+    }
   }
   return ffi::Error::Success();
 }
@@ -994,10 +1014,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmulSelect, QMatmulSelectImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("bs")
                                   .Attr<int64_t>("n_pad")
                                   .Attr<int64_t>("n")
-                                  .Attr<int64_t>("k"));
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("c"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FucinaQMatmulExperts, QMatmulExpertsImpl,
                               ffi::Ffi::Bind()

@@ -10,7 +10,7 @@
 //                  greedy pick.
 //
 // XLA's CPU TopK sorts every row (~0.4 ms for V = 262144); here a row is one pass that compares blocks of 16 keys
-// against the current k-th best and touches the heap only for the few that beat it.
+// against the current k-th best and keeps only the few that beat it (TopKScan).
 
 #include <algorithm>
 #include <cmath>
@@ -45,61 +45,69 @@ namespace fucina {
 
 FUCINA_CLONES
 void top_k_scan(TopKScan& t, const float* x, int64_t n, int64_t base) {
-  // t.heap is a min-heap (by rank) of the best k so far once it holds k: heap.front() is the worst kept. Indices grow
-  // along the scan, so an element equal to the worst kept ranks after it: only a strictly larger key enters.
-  auto& heap = t.heap;
+  // Once t.kept has held k pairs, thr is the key of the k-th best at the last cut: indices grow along the scan, so
+  // an element equal to it ranks after it and only a strictly larger key enters (a lagging thr lets a few more in,
+  // which the next cut drops).
+  auto& kept = t.kept;
   const int64_t k = t.k;
   const int32_t fold = t.fold;
-  auto worse = [](const std::pair<int32_t, int32_t>& a, const std::pair<int32_t, int32_t>& b) {
-    return ranks_before(a, b);
+  if (k == 0) return;
+  auto cut = [&] {  // the k best to the front, the rest dropped; the k-th best's key
+    std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), std::greater<int64_t>());
+    kept.resize(static_cast<size_t>(k));
+    return ranked_key(kept[k - 1]);
   };
   int64_t i = 0;
-  if (static_cast<int64_t>(heap.size()) < k) {
-    for (; i < n && static_cast<int64_t>(heap.size()) < k; ++i)
-      heap.emplace_back(total_key(x[i], fold), static_cast<int32_t>(base + i));
-    if (static_cast<int64_t>(heap.size()) < k) return;
-    std::make_heap(heap.begin(), heap.end(), worse);
+  if (static_cast<int64_t>(kept.size()) < k) {
+    for (; i < n && static_cast<int64_t>(kept.size()) < k; ++i)
+      kept.push_back(ranked(total_key(x[i], fold), static_cast<int32_t>(base + i)));
+    if (static_cast<int64_t>(kept.size()) < k) return;
+    t.thr = cut();
   }
-  if (k == 0) return;
-  int32_t thr = heap.front().first;
-  auto offer = [&](int32_t key, int64_t idx) {  // key > thr: replace the worst kept
-    std::pop_heap(heap.begin(), heap.end(), worse);
-    heap.back() = {key, static_cast<int32_t>(base + idx)};
-    std::push_heap(heap.begin(), heap.end(), worse);
-    thr = heap.front().first;
+  int32_t thr = t.thr;
+  auto offer = [&](int32_t key, int64_t idx) {  // key > thr
+    kept.push_back(ranked(key, static_cast<int32_t>(base + idx)));
+    if (static_cast<int64_t>(kept.size()) == 2 * k) thr = cut();
   };
   constexpr int kBlock = 16;
   const v8i foldv = v8i{} + fold;
   for (; i + kBlock <= n; i += kBlock) {
     // total_key of 16 values as two 8-lane vectors
-    v8i k[2];
+    v8i key[2];
     for (int h = 0; h < 2; ++h) {
       const v8i b = *reinterpret_cast<const v8iu*>(x + i + 8 * h);
-      const v8i key = b ^ ((b >> 31) & 0x7FFFFFFF);
-      k[h] = key + (foldv & -(key == -1));  // (key == -1) is -1 per true lane
+      const v8i kk = b ^ ((b >> 31) & 0x7FFFFFFF);
+      key[h] = kk + (foldv & -(kk == -1));  // (kk == -1) is -1 per true lane
     }
-    const v8i over = (k[0] > thr) | (k[1] > thr);
+    const v8i over = (key[0] > thr) | (key[1] > thr);
     v4l o;
     std::memcpy(&o, &over, sizeof o);
     if (((o[0] | o[1]) | (o[2] | o[3])) == 0) continue;
     int32_t keys[kBlock];
-    std::memcpy(keys, k, sizeof keys);
-    for (int l = 0; l < kBlock; ++l)
+    std::memcpy(keys, key, sizeof keys);
+    // the lanes over thr as bits, then only those visited (a branch per lane mispredicted on most such blocks);
+    // a cut inside may raise thr, so each is checked again
+    uint32_t over_bits = 0;
+    for (int l = 0; l < kBlock; ++l) over_bits |= static_cast<uint32_t>(keys[l] > thr) << l;
+    for (; over_bits != 0; over_bits &= over_bits - 1) {
+      const int l = __builtin_ctz(over_bits);
       if (keys[l] > thr) offer(keys[l], i + l);
+    }
   }
   for (; i < n; ++i) {
     const int32_t key = total_key(x[i], fold);
     if (key > thr) offer(key, i);
   }
+  t.thr = thr;
 }
 
 void top_k_row(const float* x, int64_t V, int64_t k, int32_t fold, float* vals, int32_t* ids, TopKScan& t) {
   t.reset(k, fold);
   top_k_scan(t, x, V, 0);
-  std::sort(t.heap.begin(), t.heap.end(), ranks_before);
+  t.finish();
   for (int64_t j = 0; j < k; ++j) {
-    ids[j] = t.heap[j].second;
-    const float v = x[t.heap[j].second];
+    ids[j] = ranked_index(t.kept[j]);
+    const float v = x[ids[j]];
     vals[j] = fold && v == 0.0f ? 0.0f : v;
   }
 }

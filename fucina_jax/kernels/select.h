@@ -1,8 +1,10 @@
 // The row selections' shared definitions (select.cc, and qmatmul.cc's output layer with the selections fused in).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -22,17 +24,36 @@ inline bool ranks_before(const std::pair<int32_t, int32_t>& a, const std::pair<i
   return a.first != b.first ? a.first > b.first : a.second < b.second;
 }
 
+// A (total_key, index) pair as one int64 whose order is ranks_before's: key in the high half, the index's complement
+// in the low half, so a larger value ranks first (and the selections compare and move one integer, not a pair).
+inline int64_t ranked(int32_t key, int32_t index) {
+  return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(key)) << 32) |
+                              static_cast<uint32_t>(~static_cast<uint32_t>(index)));
+}
+inline int32_t ranked_key(int64_t r) { return static_cast<int32_t>(r >> 32); }
+inline int32_t ranked_index(int64_t r) { return static_cast<int32_t>(~static_cast<uint32_t>(r)); }
+
 // The k best (total_key, index) pairs of a scan in ranks_before order, over one or more stretches of values whose
-// indices grow from stretch to stretch.
+// indices grow from stretch to stretch. The pairs that beat the k-th best seen so far are appended to `kept`, and
+// when it holds 2k they are cut back to the k best (nth_element): amortised O(1) work per pair that enters, where
+// a heap paid two sifts of log k levels with unpredictable branches (most of a top-64 scan's time). The k best of
+// a strict total order are one set, however they were collected; finish() orders them.
 struct TopKScan {
-  std::vector<std::pair<int32_t, int32_t>> heap;  // the kept pairs (a min-heap by rank once it holds k)
+  std::vector<int64_t> kept;  // ranked pairs: the k best offered so far (and maybe others)
   int64_t k = 0;
   int32_t fold = 0;  // 1: -0.0 counts as +0.0
+  int32_t thr = 0;   // once kept has held k pairs: the key of the k-th best at the last cut (a pair must beat it)
   void reset(int64_t k_, int32_t fold_) {
-    heap.clear();
-    heap.reserve(static_cast<size_t>(k_));
+    kept.clear();
+    kept.reserve(static_cast<size_t>(2 * k_ + 1));
     k = k_;
     fold = fold_;
+  }
+  // Cut kept back to its min(k, size) best, best first.
+  void finish() {
+    const size_t n = std::min(kept.size(), static_cast<size_t>(k));
+    std::partial_sort(kept.begin(), kept.begin() + n, kept.end(), std::greater<int64_t>());
+    kept.resize(n);
   }
 };
 

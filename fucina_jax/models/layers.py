@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fucina_jax.kernels import KERNEL_WEIGHTS, FWeight, QWeight, expert_linear, qlinear, qlinear_pick, take_rows
+from fucina_jax.kernels import KERNEL_WEIGHTS, FWeight, QWeight, expert_linear, qlinear, qlinear_candidates, take_rows
 from fucina_jax.kernels import attention as kernels_attention
 from fucina_jax.kernels import attention_write as kernels_attention_write
 from fucina_jax.kernels import norm_rope as kernels_norm_rope
@@ -444,12 +444,14 @@ def output_weight(params: dict):
     return params["output"] if "output" in params else params["token_embd"]
 
 
-def unembed_pick(params: dict, h: jax.Array, cfg, k: int) -> tuple[jax.Array, jax.Array] | None:
-    """(the greedy pick [...], the ids of the min(k, V) largest logits [..., min(k, V)]) of the logits
+def unembed_pick(params: dict, h: jax.Array, cfg, k: int, c: int = 0) -> tuple | None:
+    """(the greedy pick [...], the ids of the min(k, V) largest logits [..., min(k, V)], candidates) of the logits
     unembed(params, h, cfg) would give, bitwise (sampling.greedy_pick's and sampling.top_k's rules), computed in the
-    output layer's kernel without writing the logits out (kernels.qlinear_pick); None where that kernel does not
+    output layer's kernel without writing the logits out (kernels.qlinear_candidates); candidates: a sampler's,
+    sampling.top_k(logits, min(c, V), fold_zero=True) (values, ids), for c > 0, else None. None where that kernel does not
     apply (an f32 or float-type output weight, or a final softcap), and the caller unembeds."""
     w = output_weight(params)
     if not isinstance(w, QWeight) or cfg.final_softcap:
         return None
-    return qlinear_pick(h, w, min(k, w.n))
+    ids, top, vals, cids = qlinear_candidates(h, w, min(k, w.n), min(c, w.n))
+    return ids, top, ((vals, cids) if c else None)
