@@ -868,12 +868,12 @@ ffi::Error QMatmulSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   // Slices of column groups: about 64 KiB of products per slice (at least one group), so they stay in L2.
   const int64_t per_slice = std::max<int64_t>(1, std::min<int64_t>(64, 1024 / std::max<int64_t>(M, 1)));
   const int64_t S = (G + per_slice - 1) / per_slice;
-  using Entry = std::pair<int32_t, int32_t>;  // (total_key, column)
-  constexpr Entry kNone = {INT32_MIN, -1};    // a slice with nothing but NaNs
-  // Each chunk of slices keeps one running selection per row; its argmax goes to the entry of its first slice,
-  std::vector<Entry> best(S * M, kNone);
+  // Selections as fucina::ranked (total_key, column) pairs. Each chunk of slices keeps one running selection per
+  // row; its argmax goes to the entry of its first slice (kNone: nothing but NaNs, below every non-NaN key),
+  constexpr int64_t kNone = INT64_MIN;
+  std::vector<int64_t> best(S * M, kNone);
   // and its top-k winners go to the rows' lists (chunks in any order: the merge sorts them in the total order).
-  std::vector<std::vector<int64_t>> won(M), cwon(M);  // fucina::ranked pairs
+  std::vector<std::vector<int64_t>> won(M), cwon(M);
   std::mutex won_lock;
   fucina::parallel_for(pool, S, [&](int64_t s0, int64_t s1) {
     std::vector<float> buf(M * per_slice * kLanes);
@@ -889,9 +889,9 @@ ffi::Error QMatmulSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
       for (int64_t r = 0; r < M; ++r) {
         const float* row = buf.data() + r * ldo;
         const int32_t a = fucina::argmax_row(row, cols);
-        const Entry e = {fucina::total_key(row[a], 1), static_cast<int32_t>(c0 + a)};
-        Entry& b = best[s0 * M + r];
-        if (!std::isnan(row[a]) && (b.second < 0 || fucina::ranks_before(e, b))) b = e;
+        if (!std::isnan(row[a]))
+          best[s0 * M + r] = std::max(best[s0 * M + r],
+                                      fucina::ranked(fucina::total_key(row[a], 1), static_cast<int32_t>(c0 + a)));
         if (k) fucina::top_k_scan(scans[r], row, cols, c0);
         if (c) fucina::top_k_scan(cscans[r], row, cols, c0);
       }
@@ -904,24 +904,23 @@ ffi::Error QMatmulSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     for (int64_t r = 0; r < static_cast<int64_t>(cscans.size()); ++r)
       cwon[r].insert(cwon[r].end(), cscans[r].kept.begin(), cscans[r].kept.end());
   }, 1);
+  // The kk best of the chunks' winners, best first.
+  auto merge = [](std::vector<int64_t>& winners, int64_t kk) {
+    std::partial_sort(winners.begin(), winners.begin() + kk, winners.end(), std::greater<int64_t>());
+  };
   int32_t* idp = ids->typed_data();
   for (int64_t r = 0; r < M; ++r) {
-    Entry b = kNone;
-    for (int64_t s = 0; s < S; ++s) {
-      const Entry& e = best[s * M + r];
-      if (e.second >= 0 && (b.second < 0 || fucina::ranks_before(e, b))) b = e;
-    }
-    idp[r] = b.second >= 0 ? b.second : static_cast<int32_t>(n - 1);  // every value NaN: n - 1, as fucina_argmax
+    int64_t b = kNone;
+    for (int64_t s = 0; s < S; ++s) b = std::max(b, best[s * M + r]);
+    idp[r] = b != kNone ? fucina::ranked_index(b) : static_cast<int32_t>(n - 1);  // all NaN: n - 1, as fucina_argmax
     if (k) {
-      std::partial_sort(won[r].begin(), won[r].begin() + k, won[r].end(), std::greater<int64_t>());
+      merge(won[r], k);
       for (int64_t j = 0; j < k; ++j) top->typed_data()[r * k + j] = fucina::ranked_index(won[r][j]);
     }
-    if (c) {  // each value back from its key (total_key is its own inverse; a folded -0.0 comes back as +0.0, as
-              // fucina_top_k returns it)
-      std::partial_sort(cwon[r].begin(), cwon[r].begin() + c, cwon[r].end(), std::greater<int64_t>());
+    if (c) {
+      merge(cwon[r], c);
       for (int64_t j = 0; j < c; ++j) {
-        const int32_t key = fucina::ranked_key(cwon[r][j]), bits = key ^ ((key >> 31) & 0x7FFFFFFF);
-        std::memcpy(cvals->typed_data() + r * c + j, &bits, 4);
+        cvals->typed_data()[r * c + j] = fucina::key_value(fucina::ranked_key(cwon[r][j]));
         cids->typed_data()[r * c + j] = fucina::ranked_index(cwon[r][j]);
       }
     }

@@ -29,7 +29,6 @@ namespace {
 
 #define FUCINA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-using fucina::ranks_before;
 using fucina::total_key;
 
 // 8-lane GCC vectors: native on AVX2 and AVX-512 (GCC keeps vectors wider than the registers in memory, which made

@@ -19,13 +19,17 @@ inline int32_t total_key(float f, int32_t fold) {
   return key + (fold & (key == -1));
 }
 
-// (key, index): `a` ranks before `b` when its key is larger, or equal with a lower index.
-inline bool ranks_before(const std::pair<int32_t, int32_t>& a, const std::pair<int32_t, int32_t>& b) {
-  return a.first != b.first ? a.first > b.first : a.second < b.second;
+// The float whose total_key (unfolded) is key: the map is its own inverse (a folded -0.0 comes back as +0.0).
+inline float key_value(int32_t key) {
+  const int32_t b = key ^ ((key >> 31) & 0x7FFFFFFF);
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
 }
 
-// A (total_key, index) pair as one int64 whose order is ranks_before's: key in the high half, the index's complement
-// in the low half, so a larger value ranks first (and the selections compare and move one integer, not a pair).
+// A (total_key, index) pair as one int64 in the selections' order: a pair ranks before another when its key is
+// larger, or equal with a lower index. The key is in the high half and the index's complement in the low half, so a
+// larger int64 ranks first (and the selections compare and move one integer, not a pair).
 inline int64_t ranked(int32_t key, int32_t index) {
   return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(key)) << 32) |
                               static_cast<uint32_t>(~static_cast<uint32_t>(index)));
@@ -33,7 +37,7 @@ inline int64_t ranked(int32_t key, int32_t index) {
 inline int32_t ranked_key(int64_t r) { return static_cast<int32_t>(r >> 32); }
 inline int32_t ranked_index(int64_t r) { return static_cast<int32_t>(~static_cast<uint32_t>(r)); }
 
-// The k best (total_key, index) pairs of a scan in ranks_before order, over one or more stretches of values whose
+// The k best (total_key, index) pairs of a scan in the selections' order (ranked), over one or more stretches of values whose
 // indices grow from stretch to stretch. The pairs that beat the k-th best seen so far are appended to `kept`, and
 // when it holds 2k they are cut back to the k best (nth_element): amortised O(1) work per pair that enters, where
 // a heap paid two sifts of log k levels with unpredictable branches (most of a top-64 scan's time). The k best of
@@ -60,7 +64,7 @@ struct TopKScan {
 // Offers x[0, n) at indices base .. base + n - 1 (past every index offered since the reset).
 void top_k_scan(TopKScan& t, const float* x, int64_t n, int64_t base);
 
-// The k largest of x[0, V) (k <= V) in ranks_before order of their keys: values and ids, largest first.
+// The k largest of x[0, V) (k <= V) in the selections' order of their keys: values and ids, largest first.
 void top_k_row(const float* x, int64_t V, int64_t k, int32_t fold, float* vals, int32_t* ids, TopKScan& scratch);
 
 // The lowest index holding the maximum of x[0, V) (+0.0 and -0.0 equal, NaNs skipped); with nothing above -inf the
