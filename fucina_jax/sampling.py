@@ -396,8 +396,8 @@ def _survivors(row, V: int, vals, params: SamplerParams, split: int):
     """Top-k, top-p and min-p as a prefix length of the descending order.
 
     vals [R, C] are the C largest of logits [R, V], descending; row() returns the logits [R, V] (called only where
-    top-p needs the whole row's normaliser, top-k off; row None: the caller knows top-k is on). Returns n_keep [R] (survivors = the first n_keep) and
-    exact [R]: whether C entries were enough to decide (else the caller redoes the row with C = V).
+    top-p needs the whole row's normaliser, top-k off; row None: the caller knows top-k is on). Returns n_keep [R]
+    (survivors = the first n_keep) and exact [R]: whether C entries were enough to decide (else the caller redoes the row with C = V).
     """
     C = vals.shape[-1]
     j = jnp.arange(C, dtype=jnp.int32)[None, :]
@@ -555,7 +555,8 @@ def _by_row(fn, logits, history, drafts, params, *extra):
 def filter_mask(logits: jax.Array, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The survivors of penalties -> top-k -> top-p -> min-p for each row of logits [R, V], bool [R, V]."""
     V = logits.shape[-1]
-    cap = logits_cap(cap) if logits_cap(cap) > 0 else min(V, TOP_K_OFF_CAP)  # a greedy config's cap sorts nothing; the filters need some
+    cap = logits_cap(cap)
+    cap = cap if cap > 0 else min(V, TOP_K_OFF_CAP)  # a greedy config's cap sorts nothing; the filters need some
 
     def row(penalised):
         def finish(vals, ids, n, split):
@@ -660,7 +661,8 @@ def sample_row(logits: jax.Array, position, history: History, params: SamplerPar
 def token_probs(logits, history: History, drafts, params: SamplerParams, *, cap: int) -> jax.Array:
     """The distribution each row is sampled from, float32 [R, V] (one-hot on the greedy pick for T <= 0)."""
     V = logits.shape[-1]
-    cap = logits_cap(cap) if logits_cap(cap) > 0 else min(V, TOP_K_OFF_CAP)
+    cap = logits_cap(cap)
+    cap = cap if cap > 0 else min(V, TOP_K_OFF_CAP)
 
     def row(penalised):
         def finish(vals, ids, n, split):

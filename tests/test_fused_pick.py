@@ -58,7 +58,8 @@ def test_sampled_configs_with_neutral_penalties_and_top_k_get_a_fused_cap():
     for cap, c in ((-64, 64), (-2, 2), (GREEDY_UNPENALIZED, 0), (0, None), (64, None)):
         assert sampling.fused_candidates(cap) == c, cap
         assert sampling.logits_cap(cap) == (cap if cap >= GREEDY_UNPENALIZED else -cap)
-    code = "from fucina_jax.sampling import SamplerConfig; print(SamplerConfig(temperature=1, top_k=9).candidate_cap(99))"
+    code = ("from fucina_jax.sampling import SamplerConfig; "
+            "print(SamplerConfig(temperature=1, top_k=9).candidate_cap(99))")
     for value, want in (("0", "16"), ("1", "-16")):
         out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, FUCINA_FUSED_PICK=value),
                              capture_output=True, text=True, check=True)

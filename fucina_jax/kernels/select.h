@@ -37,8 +37,8 @@ inline int64_t ranked(int32_t key, int32_t index) {
 inline int32_t ranked_key(int64_t r) { return static_cast<int32_t>(r >> 32); }
 inline int32_t ranked_index(int64_t r) { return static_cast<int32_t>(~static_cast<uint32_t>(r)); }
 
-// The k best (total_key, index) pairs of a scan in the selections' order (ranked), over one or more stretches of values whose
-// indices grow from stretch to stretch. The pairs that beat the k-th best seen so far are appended to `kept`, and
+// The k best (total_key, index) pairs of a scan in the selections' order (ranked), over one or more stretches of
+// values whose indices grow from stretch to stretch. The pairs that beat the k-th best seen so far are appended to `kept`, and
 // when it holds 2k they are cut back to the k best (nth_element): amortised O(1) work per pair that enters, where
 // a heap paid two sifts of log k levels with unpredictable branches (most of a top-64 scan's time). The k best of
 // a strict total order are one set, however they were collected; finish() orders them.

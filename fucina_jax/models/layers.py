@@ -448,8 +448,8 @@ def unembed_pick(params: dict, h: jax.Array, cfg, k: int, c: int = 0) -> tuple |
     """(the greedy pick [...], the ids of the min(k, V) largest logits [..., min(k, V)], candidates) of the logits
     unembed(params, h, cfg) would give, bitwise (sampling.greedy_pick's and sampling.top_k's rules), computed in the
     output layer's kernel without writing the logits out (kernels.qlinear_candidates); candidates: a sampler's,
-    sampling.top_k(logits, min(c, V), fold_zero=True) (values, ids), for c > 0, else None. None where that kernel does not
-    apply (an f32 or float-type output weight, or a final softcap), and the caller unembeds."""
+    sampling.top_k(logits, min(c, V), fold_zero=True) (values, ids), for c > 0, else None. None where that kernel
+    does not apply (an f32 or float-type output weight, or a final softcap), and the caller unembeds."""
     w = output_weight(params)
     if not isinstance(w, QWeight) or cfg.final_softcap:
         return None
