@@ -13,6 +13,7 @@ Profiled times carry the profiler's own overhead and this machine's noise: read 
 width, and time what a change buys with the probes above, side by side.
 
     python scripts/profile_step.py [model.gguf] [--widths 1,4,16] [--prompt-len 300] [--ctx 1024] [--steps 20]
+        [--cache-type f32|f16]
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=300, help="cached tokens before the step")
     ap.add_argument("--ctx", type=int, default=1024, help="cache size")
     ap.add_argument("--steps", type=int, default=20, help="profiled steps per width")
+    ap.add_argument("--cache-type", choices=("f32", "f16"), default="f32", help="KV cache type (default f32)")
     args = ap.parse_args(argv)
     try:
         widths = [int(x) for x in args.widths.split(",")]
@@ -134,8 +136,9 @@ def main(argv=None) -> None:
         ap.error(f"--widths: each must be one of {engine.STEP_WIDTHS}")
     if args.steps < 1 or args.prompt_len < 1 or args.ctx < args.prompt_len + max(widths):
         ap.error("need --steps >= 1, --prompt-len >= 1 and --ctx >= prompt-len + the widest width")
-    model = fucina_jax.load(args.model)
+    model = fucina_jax.load(args.model, cache_type=args.cache_type)
     print(f"{model.path.split('/')[-1]}: greedy fused steps, {args.prompt_len} cached tokens, ctx {args.ctx}, "
+          f"{args.cache_type} cache, "
           f"{args.steps} profiled steps a width")
     print(report(profile(model, widths, prompt_len=args.prompt_len, ctx=args.ctx, steps=args.steps)))
 

@@ -452,6 +452,26 @@ def test_attention_split_block_gives_the_one_thread_bits(H, K, Dh, S):
     np.testing.assert_array_equal(half[:, 0], wide[:, 0])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_attention_scratch_kept_between_calls_is_never_read_stale(dtype):
+    """Each thread keeps its score and widened-slot buffers from call to call, uninitialised. A call over a long
+    span of NaN values leaves them full of NaN; later calls over shorter spans, other shapes and a wider head must
+    still give the definition's values (a value read before this call wrote it would be NaN)."""
+    rng = np.random.default_rng(33)
+    att = jax.jit(kernels.attention, static_argnums=(4, 5))
+    poison = np.full((1, 900, 3, 64), np.nan, np.float32).astype(dtype)
+    q = rng.standard_normal((1, 8, 9, 64)).astype(np.float32)
+    assert np.isnan(np.asarray(att(q, poison, poison, (880 + np.arange(8, dtype=np.int32))[None], 0.1, 0))).all()
+    for (H, K, Dh, S, T) in [(9, 3, 64, 300, 1), (4, 1, 80, 120, 5), (9, 3, 64, 600, 16)]:
+        q = rng.standard_normal((1, T, H, Dh)).astype(np.float32)
+        k = rng.standard_normal((1, S, K, Dh)).astype(np.float32).astype(dtype)
+        v = rng.standard_normal((1, S, K, Dh)).astype(np.float32).astype(dtype)
+        pos = (S - 1 - T - np.arange(T, dtype=np.int32)[::-1])[None]
+        got = np.asarray(att(q, k, v, pos, 0.1, 0))
+        np.testing.assert_allclose(got, np_attention(q, k.astype(np.float32), v.astype(np.float32), pos, 0.1, 0),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def _random_tree_masks(rng, B: int, T: int) -> tuple[np.ndarray, np.ndarray]:
     """Ancestor masks [B, T] of random trees over T step rows (row 0 the root, each row's parent before it), and
     each row's depth."""

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -504,15 +505,20 @@ void attend(Block& b, xla::ffi::ThreadPool* pool) {
 
 // An fp16 KV cache: the slots a block reads are widened to f32 first (exactly: every fp16 value is an f32 value),
 // with F16C where the CPU has it, then attend runs on them as on an f32 cache, slot indices made relative.
-__attribute__((target("avx2,f16c"))) void widen_f16c(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = static_cast<float>(reinterpret_cast<const _Float16*>(src)[i]);
+// widen: n rows of d values, src rows `stride` apart, into dst rows d apart.
+__attribute__((target("avx2,f16c"))) void widen_f16c(const uint16_t* src, int64_t stride, float* dst, int64_t n,
+                                                      int64_t d) {
+  for (int64_t j = 0; j < n; ++j, src += stride, dst += d) {
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i < d; ++i) dst[i] = static_cast<float>(reinterpret_cast<const _Float16*>(src)[i]);
+  }
 }
 
-void widen_plain(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(reinterpret_cast<const _Float16*>(src)[i]);
+void widen_plain(const uint16_t* src, int64_t stride, float* dst, int64_t n, int64_t d) {
+  for (int64_t j = 0; j < n; ++j, src += stride, dst += d)
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(reinterpret_cast<const _Float16*>(src)[i]);
 }
 
 // f32 -> fp16, rounded to nearest even (XLA's convert does the same), with F16C where the CPU has it.
@@ -536,28 +542,36 @@ bool has_f16c() {
   return f16c;
 }
 
-void widen(const uint16_t* src, float* dst, int64_t n) {
-  has_f16c() ? widen_f16c(src, dst, n) : widen_plain(src, dst, n);
+void widen(const uint16_t* src, int64_t stride, float* dst, int64_t n, int64_t d) {
+  has_f16c() ? widen_f16c(src, stride, dst, n, d) : widen_plain(src, stride, dst, n, d);
 }
 
 void narrow(const float* src, uint16_t* dst, int64_t n) {
   has_f16c() ? narrow_f16c(src, dst, n) : narrow_plain(src, dst, n);
 }
 
-// Slots [lo, hi] of one kv head of an fp16 cache (k and v at slot 0, slots kstride / vstride apart) widened into
-// kbuf [hi - lo + 1, Dh] and vbuf [hi - lo + 1, Dv].
-void widen_slots(const uint16_t* k, const uint16_t* v, int64_t lo, int64_t hi, int64_t kstride, int64_t vstride,
-                 int64_t Dh, int64_t Dv, std::vector<float>& kbuf, std::vector<float>& vbuf) {
-  const int64_t n = hi >= lo ? hi - lo + 1 : 0;
-  kbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * Dh));
-  vbuf.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * Dv));
-  for (int64_t j = 0; j < n; ++j) {
-    widen(k + (lo + j) * kstride, kbuf.data() + j * Dh, Dh);
-    widen(v + (lo + j) * vstride, vbuf.data() + j * Dv, Dv);
+// A thread's scratch floats (the scores, an fp16 cache's widened slots), kept from call to call and uninitialised:
+// every value is written before it is read. A decode step makes hundreds of attention calls, and allocating and
+// zero-filling their buffers each time cost more than a short call's work. A buffer over kKeepFloats (a long
+// context's) is let go after the call that needed it.
+class Scratch {
+ public:
+  static constexpr size_t kKeepFloats = size_t{1} << 20;
+  float* get(int64_t n) {
+    const size_t want = static_cast<size_t>(std::max<int64_t>(n, 1));
+    if (want > size_) data_.reset(new float[want]), size_ = want;
+    return data_.get();
   }
-}
+  void trim() {
+    if (size_ > kKeepFloats) data_.reset(), size_ = 0;
+  }
 
-// A block of an fp16 cache over its kv head's slots widened from slot `base` on (widen_slots, covering every slot
+ private:
+  std::unique_ptr<float[]> data_;
+  size_t size_ = 0;
+};
+
+// A block of an fp16 cache over its kv head's slots widened from slot `base` on (widen, covering every slot
 // the block's rows see): attend on them as on an f32 cache, slot indices made relative to base.
 void attend_widened(Block& b, int64_t base, const float* kbuf, const float* vbuf, xla::ffi::ThreadPool* pool) {
   int64_t rlo[kRows], rhi[kRows];
@@ -659,9 +673,11 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
     }
   };
   auto run = [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(static_cast<size_t>(kRows * s.S)), kbuf, vbuf;
+    thread_local Scratch score_buf, kbuf, vbuf;
+    float* const scores = score_buf.get(kRows * s.S);
     // fp16: the slots of one kv head that any of its rows sees, widened once for all of the head's blocks
     int64_t wide_b = -1, wide_kh = -1, wide_lo = 0;
+    float *kw = nullptr, *vw = nullptr;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t blk = it % blocks, kh = (it / blocks) % s.K, b = it / (blocks * s.K);
       const int64_t first = blk * kRows;
@@ -681,7 +697,7 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
       const int64_t cb = s.cache_row(b);
       const int64_t koff = (cb * s.S * s.K + kh) * s.Dh, voff = (cb * s.S * s.K + kh) * s.Dv;
       Block blk_{qrow, orow, n_rows, lo, hi, kp + koff, s.K * s.Dh, vp + voff, s.K * s.Dv, s.Dh, s.Dv, scale,
-                 scores.data(), s.S};
+                 scores, s.S};
       blk_.level = level;
       if (s.tree) {
         blk_.tbase = tbase;
@@ -697,14 +713,18 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
             if (h >= l) hlo = std::min(hlo, l), hhi = std::max(hhi, h);
           }
           if (hhi < hlo) hlo = 0, hhi = -1;
-          widen_slots(kh16 + koff, vh16 + voff, hlo, hhi, s.K * s.Dh, s.K * s.Dv, s.Dh, s.Dv, kbuf, vbuf);
+          const int64_t n = hhi >= hlo ? hhi - hlo + 1 : 0;
+          kw = kbuf.get(n * s.Dh), vw = vbuf.get(n * s.Dv);
+          widen(kh16 + koff + hlo * s.K * s.Dh, s.K * s.Dh, kw, n, s.Dh);
+          widen(vh16 + voff + hlo * s.K * s.Dv, s.K * s.Dv, vw, n, s.Dv);
           wide_b = b, wide_kh = kh, wide_lo = hlo;
         }
-        attend_widened(blk_, wide_lo, kbuf.data(), vbuf.data(), split);
+        attend_widened(blk_, wide_lo, kw, vw, split);
       } else {
         attend(blk_, split);
       }
     }
+    score_buf.trim(), kbuf.trim(), vbuf.trim();
   };
   if (work < (1 << 18) || items == 1 || split != nullptr) {
     run(0, items);

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from fucina_jax import engine, sampling
+from fucina_jax.models.cache import CACHE_DTYPES
 from fucina_jax.sampling import SamplerConfig
 from fucina_jax.speculative.cost_table import (
     DEFAULT_TABLE_PATH,
@@ -405,6 +406,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN,
                     help="cached tokens before the timed steps (attention grows with them)")
     ap.add_argument("--greedy", action="store_true", help="time the greedy sampler (default: the CLI's sampler)")
+    ap.add_argument("--cache-type", choices=sorted(CACHE_DTYPES), default="f32",
+                    help="KV cache type, as the CLI's --cache-type (default f32)")
     ap.add_argument("--batch-rows", default=",".join(map(str, DEFAULT_BATCH_ROWS)),
                     help="batch sizes of the batch surface, comma-separated ('' = none)")
     args = ap.parse_args(argv)
@@ -416,7 +419,7 @@ def main(argv=None) -> int:
         ap.error(f"--batch-rows {args.batch_rows!r}: give comma-separated integers >= 2, e.g. 2,4,8 (or '')")
     if args.prompt_len < 1:
         ap.error(f"--prompt-len {args.prompt_len}: give at least 1 cached token")
-    model = fucina_jax.load(args.model)
+    model = fucina_jax.load(args.model, cache_type=args.cache_type)
     sampler = SamplerConfig(temperature=0.0, seed=0) if args.greedy else SamplerConfig(seed=0)
     command = "python -m fucina_jax.speculative.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     run_spec_bench(model, json_path=args.json or None, png_path=args.png or None, ctx=args.ctx or None,
