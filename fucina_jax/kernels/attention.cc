@@ -637,6 +637,9 @@ ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k,
 // at least this much work (rows x visible slots x (Dh + Dv)): a single-block decode step over a long context.
 constexpr int64_t kSplitWork = int64_t{1} << 19;
 
+// Below this much work (rows x visible slots x (Dh + Dv)) a call runs on the calling thread alone.
+constexpr int64_t kParallelWork = int64_t{1} << 16;
+
 // Every query row of q over the caches k and v (f32, or fp16 when half), into out.
 void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const void* k, const void* v, bool half,
                 const int32_t* pp, float* op, float scale, int64_t window) {
@@ -646,7 +649,9 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
   const uint16_t* vh16 = static_cast<const uint16_t*>(v);
   // Work items: (batch row, kv head, block of kRows of its T * G query rows).
   const int64_t per_head = s.T * s.G, blocks = (per_head + kRows - 1) / kRows, items = s.B * s.K * blocks;
-  // Waking a pool thread costs more than a short decode row's work: small calls stay on this thread.
+  // Handing work to the kernels' spinning workers costs ~1 us, so only calls under kParallelWork stay on this
+  // thread (at 2^18 a SmolLM2 decode step, 9 heads over 3 kv heads, ran its kv heads one after another up to ~230
+  // cached tokens).
   int64_t span = 0;
   for (int64_t i = 0; i < s.B * s.T; ++i) span = std::max<int64_t>(span, std::min<int64_t>(pp[i] + 1, s.S));
   if (window > 0) span = std::min(span, window);
@@ -726,7 +731,7 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
     }
     score_buf.trim(), kbuf.trim(), vbuf.trim();
   };
-  if (work < (1 << 18) || items == 1 || split != nullptr) {
+  if (work < kParallelWork || items == 1 || split != nullptr) {
     run(0, items);
   } else {
     fucina::parallel_for(pool, items, run, 2);
