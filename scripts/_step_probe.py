@@ -12,12 +12,13 @@ from fucina_jax import engine
 
 
 def parser(doc: str, reps: int) -> argparse.ArgumentParser:
-    """The probes' arguments: model, --ctx, --prompt-len, --reps (parse with parse())."""
+    """The probes' arguments: model, --ctx, --prompt-len, --reps, --cache-type (parse with parse())."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded Gemma 3 270M)")
     ap.add_argument("--ctx", type=int, default=1024, help="cache size")
     ap.add_argument("--prompt-len", type=int, default=300, help="cached tokens before the step")
     ap.add_argument("--reps", type=int, default=reps, help="repetitions (each arm keeps its median)")
+    ap.add_argument("--cache-type", choices=("f32", "f16"), default="f32", help="KV cache type (default f32)")
     return ap
 
 

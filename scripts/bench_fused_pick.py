@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
 
-    model = fucina_jax.load(args.model)
+    model = fucina_jax.load(args.model, cache_type=args.cache_type)
     V = model.config.n_vocab
     cfg = SamplerConfig(temperature=args.temperature, seed=0)
     fused = cfg.candidate_cap(V)
