@@ -9,6 +9,7 @@ from typing import Callable, Hashable
 import numpy as np
 
 from fucina_jax import engine
+from fucina_jax.models.cache import CACHE_DTYPES
 
 
 def parser(doc: str, reps: int) -> argparse.ArgumentParser:
@@ -18,7 +19,7 @@ def parser(doc: str, reps: int) -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=1024, help="cache size")
     ap.add_argument("--prompt-len", type=int, default=300, help="cached tokens before the step")
     ap.add_argument("--reps", type=int, default=reps, help="repetitions (each arm keeps its median)")
-    ap.add_argument("--cache-type", choices=("f32", "f16"), default="f32", help="KV cache type (default f32)")
+    ap.add_argument("--cache-type", choices=sorted(CACHE_DTYPES), default="f32", help="KV cache type (default f32)")
     return ap
 
 

@@ -103,8 +103,7 @@ def main(argv=None) -> None:
     arms = [(part, w) for part in parts for w in widths]
     times = _step_probe.time_shuffled(arms, call, args.reps, rng)
     print(f"{model.path.split('/')[-1]}: {args.prompt_len} cached tokens, ctx {args.ctx}, {args.cache_type} cache, "
-          f"{args.reps} shuffled "
-          f"repetitions; output layer: {'fused pick + top-8' if fused else 'qlinear'}")
+          f"{args.reps} shuffled repetitions; output layer: {'fused pick + top-8' if fused else 'qlinear'}")
     print("part       width  median ms  min ms  C(w)")
     for part in parts:
         one = float(np.median(times[part, 1]))

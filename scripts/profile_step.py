@@ -31,6 +31,7 @@ import numpy as np
 
 import fucina_jax
 from fucina_jax import engine, sampling
+from fucina_jax.models.cache import CACHE_DTYPES
 from fucina_jax.sampling import SamplerConfig
 
 # An HLO instruction: its name, and the custom call's target or the op (fusion kinds are named by XLA: "loop_fusion",
@@ -126,7 +127,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=300, help="cached tokens before the step")
     ap.add_argument("--ctx", type=int, default=1024, help="cache size")
     ap.add_argument("--steps", type=int, default=20, help="profiled steps per width")
-    ap.add_argument("--cache-type", choices=("f32", "f16"), default="f32", help="KV cache type (default f32)")
+    ap.add_argument("--cache-type", choices=sorted(CACHE_DTYPES), default="f32", help="KV cache type (default f32)")
     args = ap.parse_args(argv)
     try:
         widths = [int(x) for x in args.widths.split(",")]
@@ -138,8 +139,7 @@ def main(argv=None) -> None:
         ap.error("need --steps >= 1, --prompt-len >= 1 and --ctx >= prompt-len + the widest width")
     model = fucina_jax.load(args.model, cache_type=args.cache_type)
     print(f"{model.path.split('/')[-1]}: greedy fused steps, {args.prompt_len} cached tokens, ctx {args.ctx}, "
-          f"{args.cache_type} cache, "
-          f"{args.steps} profiled steps a width")
+          f"{args.cache_type} cache, {args.steps} profiled steps a width")
     print(report(profile(model, widths, prompt_len=args.prompt_len, ctx=args.ctx, steps=args.steps)))
 
 

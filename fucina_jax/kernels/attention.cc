@@ -718,7 +718,7 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
             if (h >= l) hlo = std::min(hlo, l), hhi = std::max(hhi, h);
           }
           if (hhi < hlo) hlo = 0, hhi = -1;
-          const int64_t n = hhi >= hlo ? hhi - hlo + 1 : 0;
+          const int64_t n = hhi - hlo + 1;
           kw = kbuf.get(n * s.Dh), vw = vbuf.get(n * s.Dv);
           widen(kh16 + koff + hlo * s.K * s.Dh, s.K * s.Dh, kw, n, s.Dh);
           widen(vh16 + voff + hlo * s.K * s.Dv, s.K * s.Dv, vw, n, s.Dv);
