@@ -19,7 +19,11 @@ geometric means.
 
 --live N also decodes each task live, plain and speculative (--live-policy, default economics; several
 comma-separated policies share one interleaved rotation) N times, and prints the measured speed-up (median of the
-per-repetition ratios) next to the prediction: the replay's check.
+per-repetition ratios) next to the prediction: the replay's check. Next to it, "@live" is the replay priced at the
+cost curve those live runs measured (each width's mean whole step, host work included, in the plain runs' steps,
+and the speculative run's plain steps at their own live cost; replay_at): where it matches the live figure and the
+table's prediction does not, the difference is the cost curve, not the policy. The live curves' medians over the
+tasks are printed at the end.
 
 Policies: economics (the default SpecOptions), gate (the design record's gate), fixed3 (the gate never off, drafts
 of 1-3 tokens, no adaptive budget: issue 27's fixed setting), treeK (economics with K siblings: tree verifies),
@@ -93,7 +97,8 @@ def recording(model, name, task, gen, ctx, cache_dir):
 
 def live_ratios(model, task, gen, ctx, reps, options):
     """Measured decode speed-up over plain of each policy in `options` (name -> SpecOptions), all interleaved with
-    plain in one rotation (the order shifts by one each repetition), the median of per-repetition ratios."""
+    plain in one rotation (the order shifts by one each repetition), the median of per-repetition ratios; and each
+    policy's live cost curve (live_costs)."""
     from fucina_jax.generate import generate, generate_speculative
     from fucina_jax.speculative.sources import default_source
 
@@ -116,13 +121,42 @@ def live_ratios(model, task, gen, ctx, reps, options):
     aot.PREPARER.wait_idle()  # every verify width's program in before the timed runs
     names = list(runs)
     ratios = {name: [] for name in options}
+    plain_ms, steps = [], {name: {} for name in options}
     for i in range(reps):
         order = names[i % len(names):] + names[:i % len(names)]
         got = {name: runs[name]() for name in order}
+        plain_ms.append(1e3 / got["plain"].decode_tps)  # one token a plain step
         for name in options:
             assert got[name].tokens == want, f"{task.id}: the {name} stream differs from the plain one"
             ratios[name].append(got[name].decode_tps / got["plain"].decode_tps)
-    return {name: statistics.median(r) for name, r in ratios.items()}
+            for w, (n, ms) in (got[name].spec or {}).get("step_ms", {}).items():
+                tally = steps[name].setdefault(int(w), [0, 0.0])
+                tally[0] += n
+                tally[1] += ms
+    plain = statistics.median(plain_ms)
+    return {name: (statistics.median(r), live_costs(steps[name], plain)) for name, r in ratios.items()}
+
+
+def live_costs(steps: dict[int, list], plain_ms: float) -> dict[int, float]:
+    """width -> what a step of that width cost in a live speculative run (its mean whole step, host work included:
+    the decoder's spec_stats()["step_ms"], pooled over runs) in plain steps of the plain runs (plain_ms). Width 1 is
+    the speculative run's own plain step: above 1 by its host work and a verify's wake (docs/speculation-policy.md)."""
+    return {w: ms / n / plain_ms for w, (n, ms) in sorted(steps.items()) if n}
+
+
+def replay_at(rec, source, options, costs: dict[int, float]):
+    """The speed-up the replay predicts at a live cost curve (live_costs): each verify width at its live cost (the
+    priced table's where the live runs never used the width), the policy starting from those costs, and every plain
+    step of the speculative run at its live cost (costs[1]) where the replay prices it at 1."""
+    from fucina_jax import engine
+    from fucina_jax.speculative import replay as R
+    from fucina_jax.speculative.gate import CostPoint, table_cost
+
+    table = tuple(CostPoint(w - 1, costs.get(w, table_cost(options.cost_table, w - 1)))
+                  for w in engine.VERIFY_BUCKETS)
+    rp = R.replay([rec], sources=[source], options=dataclasses.replace(options, cost_table=table))
+    plain_steps = rp.steps - sum(n for w, n in rp.widths.items() if w > 1)
+    return rp.plain_time / (rp.time + (costs.get(1, 1.0) - 1.0) * plain_steps)
 
 
 def _note_shipped_table(model, name: str) -> None:
@@ -204,9 +238,10 @@ def main(argv=None) -> int:
     if bad:
         live = ", ".join(p for p in pols if not replay_only(p))
         ap.error(f"--live-policy: unknown or replay-only {bad}; live: {live}")
-    header += "".join(f" {'live:' + p:>10s}" for p in live_pols)
+    header += "".join(f" {'live:' + p:>10s} {'@live':>6s}" for p in live_pols)
     print(header, flush=True)
     per_class: dict[tuple[str, str], dict[str, list[float]]] = {}
+    live_curves: dict[tuple[str, str], list[dict[int, float]]] = {}  # (model, policy) -> each task's live costs
     for name in args.models.split(","):
         model = fucina_jax.load(model_path(name))
         tasks = load_tasks(model, STYLE[name], classes=tuple(classes))
@@ -232,11 +267,18 @@ def main(argv=None) -> int:
             if args.live:
                 live_opts = {p: dataclasses.replace(pols[p], cost_table=priced.cost_table,
                                                     batch_costs=priced.batch_costs) for p in live_pols}
-                for p, r in live_ratios(model, task, args.gen, args.ctx, args.live, live_opts).items():
+                for p, (r, costs) in live_ratios(model, task, args.gen, args.ctx, args.live, live_opts).items():
+                    at = replay_at(rec, default_source(model, None, refs, persist=False), live_opts[p], costs)
                     cls.setdefault(f"live:{p}", []).append(r)
-                    line += f" {r:9.2f}x"
+                    cls.setdefault(f"@live:{p}", []).append(at)
+                    line += f" {r:9.2f}x {at:5.2f}x"
+                    live_curves.setdefault((name, p), []).append(costs)
             print(line, flush=True)
-    cols = chosen + [f"live:{p}" for p in live_pols]
+    for (name, p), curves in live_curves.items():
+        widths = sorted({w for c in curves for w in c})
+        print(f"live cost curve, {name} {p} (median over tasks, in the plain runs' steps): " +
+              ", ".join(f"C({w}) {statistics.median(c[w] for c in curves if w in c):.2f}" for w in widths))
+    cols = chosen + [f"{k}:{p}" for p in live_pols for k in ("live", "@live")]
     print("\nper class (geometric mean over its tasks):")
     for (name, c), d in per_class.items():
         print(f"  {name:8s} {c:24s} " + " ".join(f"{k} {_geomean(v):.2f}x" for k, v in d.items()))

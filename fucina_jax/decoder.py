@@ -349,6 +349,9 @@ class Decoder:
         self.gate = CostGate(self.options)  # the cost model (both policies) and the "gate" policy's on/off state
         self.acceptance = AcceptanceModel()  # the "economics" policy's evidence
         self.widths: dict[int, int] = {}  # steps per chosen width ("economics")
+        # width -> [timed steps, their whole wall time in ns] ("economics" with a clock; steps that compiled are not
+        # timed): what a step of each width cost live, host work included (spec_stats' step_ms)
+        self.step_times: dict[int, list[int]] = {}
         self.tree_steps = 0  # verifies that ran as a tree ("economics" with tree_siblings)
         self.clock = clock
         self.on_verify_row = on_verify_row
@@ -633,6 +636,11 @@ class Decoder:
             raise failure
         if economics and timed:
             whole_ns = self.clock() - t_begin  # a step that compiled was not timed (step_ns)
+            tally = self.step_times.get(width)
+            if tally is None:
+                tally = self.step_times[width] = [0, 0]
+            tally[0] += 1
+            tally[1] += whole_ns
             if width > 1:
                 gate.note_step(width, n_step, whole_ns)
             else:
@@ -919,6 +927,7 @@ class Decoder:
                    max_draft=self.options.max_draft, policy=self.options.policy, gate=self.gate.decisions())
         if self.options.policy == "economics":
             out["widths"] = {str(w): n for w, n in sorted(self.widths.items())}
+            out["step_ms"] = {str(w): [n, round(ns / 1e6, 3)] for w, (n, ns) in sorted(self.step_times.items())}
             if self.options.tree_siblings:
                 out["tree_steps"] = self.tree_steps
             out["evidence"] = self.acceptance.snapshot()

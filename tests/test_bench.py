@@ -147,3 +147,41 @@ def test_replay_prices_a_model_with_its_own_measured_table(fixture_path, load_mo
     assert all(p.cost >= 1.0 for p in table) and table != DEFAULT_COST_TABLE
     printed = capsys.readouterr().out
     assert os.path.basename(path) in printed and "greedy" in printed
+
+
+def test_replay_at_a_live_cost_curve(gemma3, load_script, monkeypatch):
+    """bench/replay.py --live's "@live" column: live step times as costs in plain steps (live_costs), and the replay
+    priced at them (replay_at): at the priced table's own costs it is the replay; plain steps of the speculative run
+    dearer than the plain run's (costs[1] > 1) add their excess to the speculative time."""
+    import dataclasses
+
+    from fucina_jax import engine
+    from fucina_jax.index.cascade import SpeculationIndex
+    from fucina_jax.sampling import SamplerConfig
+    from fucina_jax.speculative import SpecOptions
+    from fucina_jax.speculative import replay as R
+    from fucina_jax.speculative.gate import table_cost
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # bench/replay.py puts bench/ on it: undone after the test
+    replay = load_script("bench/replay.py")
+    assert replay.live_costs({1: [10, 50.0], 4: [5, 30.0], 8: [0, 0.0]}, 5.0) == {1: 1.0, 4: 1.2}
+    model = gemma3
+    prompt = model.tokenizer.encode("Monday, Tuesday, Wednesday, Thursday, Friday. Again: Monday, Tuesday,",
+                                    add_special=True)
+    rec = R.record(model, prompt, max_tokens=24, sampler=SamplerConfig(temperature=0.0))
+    options = SpecOptions()
+    costs = {w: table_cost(options.cost_table, w - 1) for w in engine.VERIFY_BUCKETS}
+    src = lambda: SpeculationIndex(model.config.n_vocab)
+    rp = R.replay([rec], sources=[src()], options=options)
+    assert any(w > 1 for w in rp.widths)  # verifies ran: their prices are what the curve changes
+    assert replay.replay_at(rec, src(), options, {1: 1.0, **costs}) == pytest.approx(rp.speedup)
+    dear = {1: 1.25, **costs}
+    plain_steps = rp.steps - sum(n for w, n in rp.widths.items() if w > 1)
+    assert plain_steps > 0
+    assert replay.replay_at(rec, src(), options, dear) == pytest.approx(
+        rp.plain_time / (rp.time + 0.25 * plain_steps))
+    # a width the live runs never used keeps the table's price; a measured one is priced as measured
+    steep = {w: c * 2 for w, c in costs.items()}
+    slow = R.replay([rec], sources=[src()], options=dataclasses.replace(
+        options, cost_table=tuple(type(options.cost_table[0])(w - 1, c) for w, c in steep.items())))
+    assert replay.replay_at(rec, src(), options, {1: 1.0, **steep}) == pytest.approx(slow.speedup)

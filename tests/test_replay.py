@@ -82,6 +82,20 @@ def test_virtual_time_prices_steps_by_the_cost_model(gemma3):
     assert rp.speedup == pytest.approx(plain.time / rp.time) and rp.speedup > 1.5  # the copy pays
 
 
+def test_step_times_are_each_widths_whole_steps(gemma3):
+    """spec_stats()["step_ms"]: per width, the timed steps and their whole time. Under the virtual clock a step's
+    whole time is its price, so every timed step is counted once and each width's mean is its cost."""
+    rec = R.record(gemma3, _ids(gemma3, COPY), max_tokens=48, sampler=GREEDY)
+    cost = lambda w, rows: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.5}[w]
+    rp = R.replay([rec], sources=[SpeculationIndex(gemma3.config.n_vocab)], cost=cost)
+    times = {int(w): (n, ms) for w, (n, ms) in rp.stats[0]["step_ms"].items()}
+    assert sum(n for n, _ in times.values()) == rp.steps and len(times) > 1
+    for w, (n, ms) in times.items():
+        assert ms / n == pytest.approx(cost(w, 1) * R.PLAIN_NS / 1e6)
+        if w > 1:
+            assert n == rp.widths[w]
+
+
 def test_recording_round_trips_and_bad_files_raise(gemma3, tmp_path):
     rec = R.record(gemma3, _ids(gemma3, COPY), max_tokens=8, sampler=SAMPLED)
     rec.save(tmp_path / "r.npz")
