@@ -23,7 +23,8 @@ per-repetition ratios) next to the prediction: the replay's check. Next to it, "
 cost curve those live runs measured (each width's mean whole step, host work included, in the plain runs' steps,
 and the speculative run's plain steps at their own live cost; replay_at): where it matches the live figure and the
 table's prediction does not, the difference is the cost curve, not the policy. The live curves' medians over the
-tasks are printed at the end.
+tasks are printed at the end. With hindsight among --policies, "hindsight@live" is the hindsight replay at the live
+economics runs' curve: what a perfect predictor of today's drafts would reach live.
 
 Policies: economics (the default SpecOptions), gate (the design record's gate), fixed3 (the gate never off, drafts
 of 1-3 tokens, no adaptive budget: issue 27's fixed setting), treeK (economics with K siblings: tree verifies),
@@ -144,17 +145,19 @@ def live_costs(steps: dict[int, list], plain_ms: float) -> dict[int, float]:
     return {w: ms / n / plain_ms for w, (n, ms) in sorted(steps.items()) if n}
 
 
-def replay_at(rec, source, options, costs: dict[int, float]):
+def replay_at(rec, source, options, costs: dict[int, float], hindsight: bool = False):
     """The speed-up the replay predicts at a live cost curve (live_costs): each verify width at its live cost (the
     priced table's where the live runs never used the width), the policy starting from those costs, and every plain
-    step of the speculative run at its live cost (costs[1]) where the replay prices it at 1."""
+    step of the speculative run at its live cost (costs[1]) where the replay prices it at 1. hindsight: the same
+    drafts weighed by a perfect predictor (replay.replay's), the ceiling of better prediction at that curve."""
     from fucina_jax import engine
     from fucina_jax.speculative import replay as R
     from fucina_jax.speculative.gate import CostPoint, table_cost
 
     table = tuple(CostPoint(w - 1, costs.get(w, table_cost(options.cost_table, w - 1)))
                   for w in engine.VERIFY_BUCKETS)
-    rp = R.replay([rec], sources=[source], options=dataclasses.replace(options, cost_table=table))
+    rp = R.replay([rec], sources=[source], options=dataclasses.replace(options, cost_table=table),
+                  hindsight=hindsight)
     plain_steps = rp.steps - sum(n for w, n in rp.widths.items() if w > 1)
     return rp.plain_time / (rp.time + (costs.get(1, 1.0) - 1.0) * plain_steps)
 
@@ -239,6 +242,9 @@ def main(argv=None) -> int:
         live = ", ".join(p for p in pols if not replay_only(p))
         ap.error(f"--live-policy: unknown or replay-only {bad}; live: {live}")
     header += "".join(f" {'live:' + p:>10s} {'@live':>6s}" for p in live_pols)
+    # with hindsight among the policies: the ceiling at the live economics' own curve too
+    ceiling = "hindsight" in chosen and "economics" in live_pols
+    header += f" {'hindsight@live':>14s}" if ceiling else ""
     print(header, flush=True)
     per_class: dict[tuple[str, str], dict[str, list[float]]] = {}
     live_curves: dict[tuple[str, str], list[dict[int, float]]] = {}  # (model, policy) -> each task's live costs
@@ -273,12 +279,18 @@ def main(argv=None) -> int:
                     cls.setdefault(f"@live:{p}", []).append(at)
                     line += f" {r:9.2f}x {at:5.2f}x"
                     live_curves.setdefault((name, p), []).append(costs)
+                    if ceiling and p == "economics":
+                        top = replay_at(rec, default_source(model, None, refs, persist=False),
+                                        dataclasses.replace(live_opts[p], min_gain=pols["hindsight"].min_gain), costs,
+                                        hindsight=True)
+                        cls.setdefault("hindsight@live", []).append(top)
+                        line += f" {top:13.2f}x"
             print(line, flush=True)
     for (name, p), curves in live_curves.items():
         widths = sorted({w for c in curves for w in c})
         print(f"live cost curve, {name} {p} (median over tasks, in the plain runs' steps): " +
               ", ".join(f"C({w}) {statistics.median(c[w] for c in curves if w in c):.2f}" for w in widths))
-    cols = chosen + [f"{k}:{p}" for p in live_pols for k in ("live", "@live")]
+    cols = chosen + [f"{k}:{p}" for p in live_pols for k in ("live", "@live")] + (["hindsight@live"] if ceiling else [])
     print("\nper class (geometric mean over its tasks):")
     for (name, c), d in per_class.items():
         print(f"  {name:8s} {c:24s} " + " ".join(f"{k} {_geomean(v):.2f}x" for k, v in d.items()))

@@ -185,3 +185,8 @@ def test_replay_at_a_live_cost_curve(gemma3, load_script, monkeypatch):
     slow = R.replay([rec], sources=[src()], options=dataclasses.replace(
         options, cost_table=tuple(type(options.cost_table[0])(w - 1, c) for w, c in steep.items())))
     assert replay.replay_at(rec, src(), options, {1: 1.0, **steep}) == pytest.approx(slow.speedup)
+    # the ceiling at a curve: the hindsight replay at the same costs, never below the learned policy there
+    top = R.replay([rec], sources=[src()], options=SpecOptions(min_gain=0.0), hindsight=True)
+    assert replay.replay_at(rec, src(), SpecOptions(min_gain=0.0), {1: 1.0, **costs}, hindsight=True) == \
+        pytest.approx(top.speedup)
+    assert replay.replay_at(rec, src(), options, dear, hindsight=True) >= replay.replay_at(rec, src(), options, dear)
