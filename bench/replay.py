@@ -280,8 +280,9 @@ def main(argv=None) -> int:
                     line += f" {r:9.2f}x {at:5.2f}x"
                     live_curves.setdefault((name, p), []).append(costs)
                     if ceiling and p == "economics":
-                        top = replay_at(rec, default_source(model, None, refs, persist=False),
-                                        dataclasses.replace(live_opts[p], min_gain=pols["hindsight"].min_gain), costs,
+                        hindsight = dataclasses.replace(pols["hindsight"], cost_table=priced.cost_table,
+                                                        batch_costs=priced.batch_costs)
+                        top = replay_at(rec, default_source(model, None, refs, persist=False), hindsight, costs,
                                         hindsight=True)
                         cls.setdefault("hindsight@live", []).append(top)
                         line += f" {top:13.2f}x"

@@ -160,7 +160,7 @@ def test_replay_at_a_live_cost_curve(gemma3, load_script, monkeypatch):
     from fucina_jax.sampling import SamplerConfig
     from fucina_jax.speculative import SpecOptions
     from fucina_jax.speculative import replay as R
-    from fucina_jax.speculative.gate import table_cost
+    from fucina_jax.speculative.gate import CostPoint, table_cost
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # bench/replay.py puts bench/ on it: undone after the test
     replay = load_script("bench/replay.py")
@@ -183,7 +183,7 @@ def test_replay_at_a_live_cost_curve(gemma3, load_script, monkeypatch):
     # a width the live runs never used keeps the table's price; a measured one is priced as measured
     steep = {w: c * 2 for w, c in costs.items()}
     slow = R.replay([rec], sources=[src()], options=dataclasses.replace(
-        options, cost_table=tuple(type(options.cost_table[0])(w - 1, c) for w, c in steep.items())))
+        options, cost_table=tuple(CostPoint(w - 1, c) for w, c in steep.items())))
     assert replay.replay_at(rec, src(), options, {1: 1.0, **steep}) == pytest.approx(slow.speedup)
     # the ceiling at a curve: the hindsight replay at the same costs, never below the learned policy there
     top = R.replay([rec], sources=[src()], options=SpecOptions(min_gain=0.0), hindsight=True)
