@@ -158,7 +158,11 @@ struct Shape {
   int64_t cache_row(int64_t b) const { return rows ? rows[b] : b; }
 };
 
-constexpr int kRows = 4;  // query rows sharing one kv head computed together: each K and V slot is read once for them
+// Query rows sharing one kv head computed together (a block): each K and V slot is read once for them. Up to
+// kRows on AVX-512 (its 32 registers hold 8 rows' V sums 32 dims at a time), kRowsNarrow on the other code (16
+// registers); rows_per_block says which.
+constexpr int kRows = 8;
+constexpr int kRowsNarrow = 4;
 
 // Query rows q[r] (r < n_rows, Dh floats each) over the slots [lo[r], hi[r]] of one kv head (k and v point
 // at slot 0; slots are kstride / vstride apart). Every row's arithmetic is the one-row algorithm, in its order:
@@ -198,23 +202,23 @@ struct Block {
 };
 
 // Scores of every row over the slots [j0, j1) of the union (a slot a row cannot see is computed and ignored).
-template <typename V>
+template <typename V, int R>
 __attribute__((always_inline)) inline void block_scores_t(const Block& b, int64_t j0, int64_t j1) {
   // the fields as locals: stores to the scores then cannot make the compiler reload them
   const int64_t Dh = b.Dh, nv = Dh / kLanes * kLanes, kstride = b.kstride, sstride = b.sstride, ulo = b.ulo;
   const int n_rows = b.n_rows;
   const float scale = b.scale;
   const float* const kp = b.k;
-  const float* q[kRows];
-  for (int r = 0; r < kRows; ++r) q[r] = b.q[r < n_rows ? r : 0];
+  const float* q[R];
+  for (int r = 0; r < R; ++r) q[r] = b.q[r < n_rows ? r : 0];
   float* const scores = b.scores;
   for (int64_t j = j0; j < j1; ++j) {
     const float* kj = kp + j * kstride;
-    V acc[kRows];
-    for (int r = 0; r < kRows; ++r) acc[r] = V::splat(0.0f);
+    V acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = V::splat(0.0f);
     for (int64_t i = 0; i < nv; i += kLanes) {
       const V kv = V::load(kj + i);
-      for (int r = 0; r < kRows; ++r)
+      for (int r = 0; r < R; ++r)
         if (r < n_rows) acc[r] += V::load(q[r] + i) * kv;
     }
     for (int r = 0; r < n_rows; ++r) {
@@ -249,7 +253,7 @@ FUCINA_CLONES void block_softmax(Block& b, int r) {
 // out[r][d] for the output dims of chunks [c0, c1): chunk c < Dv / kDb is dims [c kDb, (c + 1) kDb), summed over
 // the row's slots in slot order with the dims x the rows in registers; chunk Dv / kDb is the tail past the last
 // whole chunk, if any. Then times 1 / sum. A row that sees no slot gets zeros.
-template <typename V, int kDb>
+template <typename V, int kDb, int R>
 __attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t c0, int64_t c1) {
   constexpr int kC = kDb / kLanes;
   const int n_rows = b.n_rows;
@@ -257,30 +261,30 @@ __attribute__((always_inline)) inline void block_vsum_t(const Block& b, int64_t 
                 sstride = b.sstride;
   const float* const vp = b.v;
   const float* const scores = b.scores;
-  int64_t lo[kRows], hi[kRows];
-  for (int r = 0; r < kRows; ++r) lo[r] = r < n_rows ? b.lo[r] : 0, hi[r] = r < n_rows ? b.hi[r] : -1;
+  int64_t lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = r < n_rows ? b.lo[r] : 0, hi[r] = r < n_rows ? b.hi[r] : -1;
   // slots every row sees (a chain's common range): summed without the tests
   int64_t clo = ulo, chi = b.tbase == INT64_MAX ? uhi : ulo - 1;
   for (int r = 0; r < n_rows; ++r) clo = std::max(clo, lo[r]), chi = std::min(chi, hi[r]);
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t d0 = c * kDb, d1 = c < full ? d0 + kDb : b.Dv;
     if (c < full) {
-      V acc[kRows][kC];
-      for (int r = 0; r < kRows; ++r)
+      V acc[R][kC];
+      for (int r = 0; r < R; ++r)
         for (int cc = 0; cc < kC; ++cc) acc[r][cc] = V::splat(0.0f);
       for (int64_t j = ulo; j <= uhi; ++j) {
         const float* vj = vp + j * vstride + d0;
         V vv[kC];
         for (int cc = 0; cc < kC; ++cc) vv[cc] = V::load(vj + cc * kLanes);
         if (j >= clo && j <= chi) {
-          for (int r = 0; r < kRows; ++r) {
+          for (int r = 0; r < R; ++r) {
             if (r >= n_rows) continue;
             const V e = V::splat(scores[r * sstride + j - ulo]);
             for (int cc = 0; cc < kC; ++cc) acc[r][cc] += e * vv[cc];
           }
           continue;
         }
-        for (int r = 0; r < kRows; ++r) {
+        for (int r = 0; r < R; ++r) {
           if (r >= n_rows || j < lo[r] || j > hi[r] || !b.visible(r, j)) continue;
           const V e = V::splat(scores[r * sstride + j - ulo]);
           for (int cc = 0; cc < kC; ++cc) acc[r][cc] += e * vv[cc];
@@ -351,21 +355,23 @@ __attribute__((target("arch=x86-64-v4"))) void block_scores_v4(const Block& b, i
       }
     }
   }
-  block_scores_t<W16>(b, j0, j1);
+  block_scores_t<W16, kRows>(b, j0, j1);
 }
-// V is W16 (AVX-512) or V16; kDb output dims of the V sum are accumulated per pass (the registers they take: 64 on
-// AVX-512's 32 zmm, 16 on AVX2's 16 ymm); neither changes any row's arithmetic.
+// V is W16 (AVX-512) or V16; kDb output dims of the V sum are accumulated per pass for up to R rows (the registers
+// they take: 64 dims x 4 rows or 32 x 8 of AVX-512's 32 zmm, 16 x 4 of AVX2's 16 ymm); none changes any row's
+// arithmetic.
 __attribute__((target("arch=x86-64-v3"))) void block_scores_v3(const Block& b, int64_t j0, int64_t j1) {
-  block_scores_t<V16>(b, j0, j1);
+  block_scores_t<V16, kRowsNarrow>(b, j0, j1);
 }
-void block_scores_generic(const Block& b, int64_t j0, int64_t j1) { block_scores_t<V16>(b, j0, j1); }
+void block_scores_generic(const Block& b, int64_t j0, int64_t j1) { block_scores_t<V16, kRowsNarrow>(b, j0, j1); }
 __attribute__((target("arch=x86-64-v4"))) void block_vsum_v4(const Block& b, int64_t c0, int64_t c1) {
-  block_vsum_t<W16, 64>(b, c0, c1);
+  if (b.n_rows > kRowsNarrow) return block_vsum_t<W16, 32, kRows>(b, c0, c1);
+  block_vsum_t<W16, 64, kRowsNarrow>(b, c0, c1);
 }
 __attribute__((target("arch=x86-64-v3"))) void block_vsum_v3(const Block& b, int64_t c0, int64_t c1) {
-  block_vsum_t<V16, 16>(b, c0, c1);
+  block_vsum_t<V16, 16, kRowsNarrow>(b, c0, c1);
 }
-void block_vsum_generic(const Block& b, int64_t c0, int64_t c1) { block_vsum_t<V16, 16>(b, c0, c1); }
+void block_vsum_generic(const Block& b, int64_t c0, int64_t c1) { block_vsum_t<V16, 16, kRowsNarrow>(b, c0, c1); }
 
 // 4 (AVX-512), 3 (AVX2) or 0 (generic): the best this CPU has, lowered where set_isa / FUCINA_KERNEL_ISA ask the
 // kernels for lower code (all give the same bits).
@@ -387,11 +393,16 @@ void block_scores(const Block& b, int64_t j0, int64_t j1) {
   block_scores_generic(b, j0, j1);
 }
 
-// The V-sum chunks of a block: Dv / kDb whole ones (kDb of this CPU's code), plus one for a tail.
+// The V-sum chunks of a block: Dv / kDb whole ones (kDb of the code block_vsum runs), plus one for a tail.
 int64_t vsum_chunks(const Block& b) {
-  const int64_t kDb = b.level == 4 ? 64 : 16;
+  const int64_t kDb = b.level == 4 ? (b.n_rows > kRowsNarrow ? 32 : 64) : 16;
   return b.Dv / kDb + (b.Dv % kDb != 0);
 }
+
+// Query rows a block takes with the code of `level`. AVX-512 reads a kv head's K and V once for up to 8 rows: a
+// verify of SmolLM2 (3 query heads a kv head) at width 2 is one block a kv head, not two (2-5% off a width-2 or
+// width-4 step of SmolLM2 and Gemma 3 at 128-400 cached tokens, docs/performance.md).
+int64_t rows_per_block(int level) { return level == 4 ? kRows : kRowsNarrow; }
 
 // exp_neg on 16 lanes: the same IEEE operations in the same order, lane by lane (nearbyint is a round to nearest
 // even, the integer conversion exact), so every lane is exp_neg of its input bitwise.
@@ -647,8 +658,10 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
   const float* vp = static_cast<const float*>(v);
   const uint16_t* kh16 = static_cast<const uint16_t*>(k);
   const uint16_t* vh16 = static_cast<const uint16_t*>(v);
-  // Work items: (batch row, kv head, block of kRows of its T * G query rows).
-  const int64_t per_head = s.T * s.G, blocks = (per_head + kRows - 1) / kRows, items = s.B * s.K * blocks;
+  // Work items: (batch row, kv head, block of rows_per_block of its T * G query rows).
+  const int level = cpu_level();
+  const int64_t rpb = rows_per_block(level);
+  const int64_t per_head = s.T * s.G, blocks = (per_head + rpb - 1) / rpb, items = s.B * s.K * blocks;
   // Handing work to the kernels' spinning workers costs ~1 us, so only calls under kParallelWork stay on this
   // thread (at 2^18 a SmolLM2 decode step, 9 heads over 3 kv heads, ran its kv heads one after another up to ~230
   // cached tokens).
@@ -659,7 +672,6 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // fewer blocks than threads: each block's phases split across the pool
   xla::ffi::ThreadPool* split = items < threads && work / items >= kSplitWork ? &pool : nullptr;
-  const int level = cpu_level();
   // The visible slots [lo, hi] of step row t of batch row b, and a tree row's mask of the step slots it sees.
   auto row_range = [&](int64_t b, int64_t t, int64_t* lo, int64_t* hi, uint32_t* mask) {
     const int64_t p = pp[b * s.T + t];
@@ -685,8 +697,8 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
     float *kw = nullptr, *vw = nullptr;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t blk = it % blocks, kh = (it / blocks) % s.K, b = it / (blocks * s.K);
-      const int64_t first = blk * kRows;
-      const int n_rows = static_cast<int>(std::min<int64_t>(kRows, per_head - first));
+      const int64_t first = blk * rpb;
+      const int n_rows = static_cast<int>(std::min<int64_t>(rpb, per_head - first));
       int64_t lo[kRows], hi[kRows];
       // Query row (t, g) of kv head kh is head h = kh * G + g.
       const float* qrow[kRows];
