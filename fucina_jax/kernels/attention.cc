@@ -357,6 +357,9 @@ __attribute__((target("arch=x86-64-v4"))) void block_scores_v4(const Block& b, i
   }
   block_scores_t<W16, kRows>(b, j0, j1);
 }
+// The output dims a V-sum pass of the block's code takes (its kDb): block_vsum and vsum_chunks both follow it.
+inline int64_t vsum_dims(const Block& b) { return b.level == 4 ? (b.n_rows > kRowsNarrow ? 32 : 64) : 16; }
+
 // V is W16 (AVX-512) or V16; kDb output dims of the V sum are accumulated per pass for up to R rows (the registers
 // they take: 64 dims x 4 rows or 32 x 8 of AVX-512's 32 zmm, 16 x 4 of AVX2's 16 ymm); none changes any row's
 // arithmetic.
@@ -365,7 +368,7 @@ __attribute__((target("arch=x86-64-v3"))) void block_scores_v3(const Block& b, i
 }
 void block_scores_generic(const Block& b, int64_t j0, int64_t j1) { block_scores_t<V16, kRowsNarrow>(b, j0, j1); }
 __attribute__((target("arch=x86-64-v4"))) void block_vsum_v4(const Block& b, int64_t c0, int64_t c1) {
-  if (b.n_rows > kRowsNarrow) return block_vsum_t<W16, 32, kRows>(b, c0, c1);
+  if (vsum_dims(b) == 32) return block_vsum_t<W16, 32, kRows>(b, c0, c1);
   block_vsum_t<W16, 64, kRowsNarrow>(b, c0, c1);
 }
 __attribute__((target("arch=x86-64-v3"))) void block_vsum_v3(const Block& b, int64_t c0, int64_t c1) {
@@ -393,9 +396,9 @@ void block_scores(const Block& b, int64_t j0, int64_t j1) {
   block_scores_generic(b, j0, j1);
 }
 
-// The V-sum chunks of a block: Dv / kDb whole ones (kDb of the code block_vsum runs), plus one for a tail.
+// The V-sum chunks of a block: Dv / kDb whole ones (kDb = vsum_dims), plus one for a tail.
 int64_t vsum_chunks(const Block& b) {
-  const int64_t kDb = b.level == 4 ? (b.n_rows > kRowsNarrow ? 32 : 64) : 16;
+  const int64_t kDb = vsum_dims(b);
   return b.Dv / kDb + (b.Dv % kDb != 0);
 }
 
@@ -691,7 +694,7 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* qp, const vo
   };
   auto run = [&](int64_t i0, int64_t i1) {
     thread_local Scratch score_buf, kbuf, vbuf;
-    float* const scores = score_buf.get(kRows * s.S);
+    float* const scores = score_buf.get(rpb * s.S);
     // fp16: the slots of one kv head that any of its rows sees, widened once for all of the head's blocks
     int64_t wide_b = -1, wide_kh = -1, wide_lo = 0;
     float *kw = nullptr, *vw = nullptr;
